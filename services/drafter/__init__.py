@@ -1,0 +1,3 @@
+from treeserve.drafter.ngram import NgramDrafter
+
+__all__ = ["NgramDrafter"]

@@ -1,0 +1,176 @@
+"""Greedy speculative output equals the target's own greedy output, token for token, whatever the tree."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from random_targets import ENGINE_FAMILIES, RandomTreeDrafter, random_target, word_tokenizer
+from treeserve.drafter import NgramDrafter
+from treeserve.errors import TreeserveError
+from treeserve.sampling import GenerationParams
+from treeserve.tree import MAX_BUDGET, DraftTree
+from treeserve.verifier import Generation, generate
+
+VOCAB = 96
+BUDGETS = (1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 48, 64)
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))] for _ in range(count)]
+
+
+def oracle(prompt: list[int], reference: list[int]):
+    """The target's own next tokens after a context that extends the prompt along the reference output."""
+    return lambda context: list(reference[len(context) - len(prompt):])
+
+
+@pytest.mark.parametrize("case", ENGINE_FAMILIES)
+def test_greedy_tree_speculation_equals_autoregressive(case):
+    model = random_target(case, seed=1, vocab_size=VOCAB, weight_scale=2.0)
+    tokenizer = word_tokenizer(VOCAB)
+    params = GenerationParams(max_new_tokens=24)
+    accepted_per_round = []
+    for p, prompt in enumerate(prompts(3, seed=hash(case) % 1000)):
+        reference = generate(model, tokenizer, prompt, params).token_ids
+        assert len(reference) == 24
+        for budget in BUDGETS:
+            drafter = RandomTreeDrafter(oracle(prompt, reference), VOCAB, seed=budget * 7 + p)
+            result = generate(model, tokenizer, prompt, params, drafter, budget)
+            assert result.token_ids == reference, f"{case} prompt {p} budget {budget}"
+            accepted_per_round.append(result.mean_accepted)
+    # The trees often hold the true continuation, so multi-token rounds must have happened.
+    assert max(accepted_per_round) > 3
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen3"])
+def test_random_trees_without_the_answer_still_give_the_target_output(case):
+    model = random_target(case, seed=2, vocab_size=VOCAB, weight_scale=2.0)
+    tokenizer = word_tokenizer(VOCAB)
+    params = GenerationParams(max_new_tokens=20)
+    for prompt in prompts(2, seed=5):
+        reference = generate(model, tokenizer, prompt, params).token_ids
+        for budget in (1, 5, 64, MAX_BUDGET):
+            drafter = RandomTreeDrafter(oracle(prompt, reference), VOCAB, seed=budget, oracle_rate=0.0)
+            assert generate(model, tokenizer, prompt, params, drafter, budget).token_ids == reference
+
+
+def test_ngram_drafter_is_lossless_on_repetitive_prompts():
+    model = random_target("llama", seed=3, vocab_size=VOCAB, weight_scale=2.0)
+    tokenizer = word_tokenizer(VOCAB)
+    params = GenerationParams(max_new_tokens=48)
+    for prompt in prompts(4, seed=9):
+        prompt = prompt * 3  # repetition gives prompt lookup something to find
+        reference = generate(model, tokenizer, prompt, params).token_ids
+        for budget in (1, 4, 16, 64):
+            assert generate(model, tokenizer, prompt, params, NgramDrafter(), budget).token_ids == reference
+
+
+def test_autoregressive_mode_counts_one_token_per_round():
+    model = random_target("qwen2", seed=4, vocab_size=VOCAB)
+    result = generate(model, word_tokenizer(VOCAB), [1, 2, 3], GenerationParams(max_new_tokens=10))
+    assert len(result.token_ids) == 10
+    assert result.rounds == 9  # the prefill emits the first token
+    assert result.mean_accepted == 1.0
+    assert result.finish_reason == "length"
+
+
+class TestStopsInsideAnAcceptedPath:
+    """Stops must cut a round's accepted path at the exact token, as plain decoding would."""
+
+    model = random_target("llama", seed=5, vocab_size=VOCAB, weight_scale=2.0)
+    prompt = [5, 6, 7, 8]
+    reference = generate(model, word_tokenizer(VOCAB), prompt, GenerationParams(max_new_tokens=40)).token_ids
+
+    def speculative(self, tokenizer, params, budget=32):
+        drafter = RandomTreeDrafter(oracle(self.prompt, self.reference), VOCAB, seed=1, oracle_rate=1.0)
+        return generate(self.model, tokenizer, self.prompt, params, drafter, budget)
+
+    def first_new_token_after(self, index: int) -> tuple[int, int]:
+        """A token of the reference output at or after `index` that does not occur earlier in it."""
+        for i in range(index, len(self.reference)):
+            if self.reference[i] not in self.reference[:i]:
+                return i, self.reference[i]
+        pytest.skip("reference output repeats itself too much")
+
+    def test_eos(self):
+        i, token = self.first_new_token_after(5)
+        result = self.speculative(word_tokenizer(VOCAB, eos_id=token), GenerationParams(max_new_tokens=40))
+        assert result.token_ids == self.reference[:i + 1]
+        assert result.finish_reason == "stop"
+        assert result.text == " ".join(f"w{t}" for t in self.reference[:i])
+        ignored = self.speculative(word_tokenizer(VOCAB, eos_id=token),
+                                   GenerationParams(max_new_tokens=40, ignore_eos=True))
+        assert ignored.token_ids == self.reference
+
+    def test_stop_token_id(self):
+        i, token = self.first_new_token_after(9)
+        result = self.speculative(word_tokenizer(VOCAB), GenerationParams(max_new_tokens=40, stop_token_ids=(token,)))
+        assert result.token_ids == self.reference[:i + 1]
+        assert result.finish_reason == "stop"
+
+    def test_stop_string(self):
+        i, token = self.first_new_token_after(7)
+        words = [f"w{t}" for t in self.reference]
+        stop = f"{words[i - 1]} {words[i]}"  # spans two tokens
+        result = self.speculative(word_tokenizer(VOCAB), GenerationParams(max_new_tokens=40, stop_strings=(stop,)))
+        full_text = " ".join(words)
+        first = full_text.find(stop)
+        assert result.text == full_text[:first]
+        assert result.finish_reason == "stop"
+        # The output ends with the token that completed the stop string.
+        assert result.token_ids == self.reference[:len(result.token_ids)]
+        assert stop in " ".join(words[:len(result.token_ids)])
+        assert stop not in " ".join(words[:len(result.token_ids) - 1])
+
+    @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 17])
+    def test_max_new_tokens(self, max_new_tokens):
+        result = self.speculative(word_tokenizer(VOCAB), GenerationParams(max_new_tokens=max_new_tokens))
+        assert result.token_ids == self.reference[:max_new_tokens]
+        assert result.finish_reason == "length"
+
+
+def test_tree_deeper_than_the_remaining_tokens_is_cut():
+    tree = DraftTree([1, 2, 3, 4, 5], [-1, 0, 1, 0, 3])
+    cut = tree.truncated(1)
+    assert cut.tokens == [1, 2, 4] and cut.parents == [-1, 0, 0]
+
+
+@pytest.mark.parametrize("make_tree, message", [
+    (lambda root: DraftTree([(root + 1) % VOCAB, 1], [-1, 0]), "root"),
+    (lambda root: DraftTree([root, 1], [-1, 1]), "parents must precede"),
+    (lambda root: DraftTree([root, VOCAB], [-1, 0]), "outside the vocabulary"),
+    (lambda root: DraftTree([root] + [1] * 5, [-1] + [0] * 5), "budget"),
+])
+def test_a_malformed_tree_from_a_drafter_is_rejected(make_tree, message):
+    class BadDrafter:
+        name = "bad"
+
+        def propose(self, context, budget):
+            return make_tree(context[-1])
+
+    model = random_target("llama", vocab_size=VOCAB)
+    generation = Generation(model, word_tokenizer(VOCAB), [3, 4, 0], GenerationParams(), BadDrafter(), 4)
+    generation.step()  # prefill
+    with pytest.raises(TreeserveError, match=message):
+        generation.step()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt=[]), "empty"),
+    (dict(prompt=[VOCAB]), "prompt token ids"),
+    (dict(budget=0), "budget"),
+    (dict(budget=MAX_BUDGET + 1), "budget"),
+    (dict(params=GenerationParams(temperature=-0.5)), "temperature"),
+    (dict(params=GenerationParams(top_p=1.5)), "top_p"),
+    (dict(params=GenerationParams(top_k=-1)), "top_k"),
+    (dict(params=GenerationParams(max_new_tokens=0)), "max_new_tokens"),
+    (dict(params=GenerationParams(max_new_tokens=600)), "context"),
+])
+def test_bad_requests_get_clear_errors(kwargs, message):
+    model = random_target("llama", vocab_size=VOCAB)
+    args = dict(prompt=[1, 2], params=GenerationParams(), budget=4) | kwargs
+    with pytest.raises(TreeserveError, match=message):
+        Generation(model, word_tokenizer(VOCAB), args["prompt"], args["params"], NgramDrafter(), args["budget"])

@@ -1,0 +1,61 @@
+"""The n-gram drafter proposes valid trees from earlier occurrences of the context's suffix."""
+
+from treeserve.drafter import NgramDrafter
+from treeserve.tree import DraftTree
+
+
+def paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    """Every root-to-node token path below the root."""
+    children = tree.children()
+    found, stack = set(), [(0, ())]
+    while stack:
+        node, path = stack.pop()
+        for child in children[node]:
+            found.add(path + (tree.tokens[child],))
+            stack.append((child, path + (tree.tokens[child],)))
+    return found
+
+
+def assert_valid(tree: DraftTree, context: list[int], budget: int) -> None:
+    tree.validate(vocab_size=1000)
+    assert tree.tokens[0] == context[-1]
+    assert tree.size <= budget + 1
+    siblings = [(tree.parents[i], tree.tokens[i]) for i in range(1, tree.size)]
+    assert len(siblings) == len(set(siblings)), "shared prefixes must be merged"
+
+
+def test_continues_the_latest_longest_match():
+    context = [1, 2, 3, 4, 9, 9, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    tree = NgramDrafter().propose(context, budget=3)
+    assert_valid(tree, context, 3)
+    # suffix [1, 2, 3] occurs twice; the latest occurrence continues 4, 5, 6
+    assert tree.tokens == [3, 4, 5, 6] and tree.parents == [-1, 0, 1, 2]
+
+
+def test_different_continuations_become_branches():
+    context = [7, 1, 2, 8, 8, 1, 2, 5, 5, 1, 2]
+    tree = NgramDrafter().propose(context, budget=8)
+    assert_valid(tree, context, 8)
+    found = paths(tree)
+    assert (5, 5, 1) in found and (8, 8, 1) in found
+
+
+def test_budget_is_respected_and_tree_is_valid_on_random_contexts():
+    import random
+
+    rng = random.Random(0)
+    drafter = NgramDrafter()
+    for _ in range(200):
+        context = [rng.randrange(6) for _ in range(rng.randint(1, 80))]
+        budget = rng.randint(1, 64)
+        tree = drafter.propose(context, budget)
+        assert_valid(tree, context, budget)
+        # Every drafted path really followed an earlier occurrence of some suffix token.
+        for path in paths(tree):
+            occurrences = [i for i in range(len(context) - 1) if context[i] == context[-1]]
+            assert any(tuple(context[i + 1:i + 1 + len(path)]) == path for i in occurrences)
+
+
+def test_no_match_gives_the_root_alone():
+    assert NgramDrafter().propose([1, 2, 3, 4], budget=8).size == 1
+    assert NgramDrafter().propose([5], budget=8).size == 1
