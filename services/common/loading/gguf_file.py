@@ -147,12 +147,7 @@ class GGUFFile:
                     names[f"model.layers.{layer}.{LAYER_TENSORS[rest]}"] = gguf_name
         return names
 
-    def tokenizer(self) -> Tokenizer:
-        kind = self.require("tokenizer.ggml.model")
-        tokens = list(self.require("tokenizer.ggml.tokens"))
-        types = list(self.get("tokenizer.ggml.token_type") or [gguf.TokenType.NORMAL] * len(tokens))
-        if kind != "gpt2":
-            raise TreeserveError(f"{self.path}: tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE)")
+    def _byte_level_bpe(self, tokens: list[str]) -> tokenizers.Tokenizer:
         merges = [tuple(m.split(" ", 1)) for m in self.require("tokenizer.ggml.merges")]
         pre = self.get("tokenizer.ggml.pre", "default")
         bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
@@ -162,14 +157,57 @@ class GGUFFile:
         if pre in ("qwen2", "qwen35"):
             backend.normalizer = normalizers.NFC()
         backend.decoder = decoders.ByteLevel()
+        return backend
+
+    def _sentencepiece_bpe(self, tokens: list[str]) -> tokenizers.Tokenizer:
+        """The SentencePiece BPE of Llama 2 / Mistral files, built as HF's fast Llama tokenizer (and llama.cpp)."""
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = self.get("tokenizer.ggml.merges")
+        if merges is not None:
+            merges = [tuple(m.split(" ", 1)) for m in merges]
+        else:  # SentencePiece keeps scores, not merges: every split of a piece into two pieces is a merge, ranked
+            # by the merged piece's score, higher first (ties: longer left part first, as transformers does)
+            scores = dict(zip(tokens, self.require("tokenizer.ggml.scores")))
+            merges = sorted(((t[:i], t[i:]) for t in tokens for i in range(1, len(t))
+                             if t[:i] in vocab and t[i:] in vocab),
+                            key=lambda m: (scores[m[0] + m[1]], len(m[0]), len(m[1])), reverse=True)
+        unk_id = self.get("tokenizer.ggml.unknown_token_id")
+        # byte_fallback: a character with no piece becomes its UTF-8 bytes as <0xAB> tokens instead of <unk>
+        backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, fuse_unk=True,
+                                                  unk_token=tokens[unk_id] if unk_id is not None else None))
+        # SentencePiece writes spaces as "▁" and, with add_space_prefix, starts every text (and every run
+        # of text after a special token) with one; no pre-tokenizer: pieces may span words
+        space_prefix = self.get("tokenizer.ggml.add_space_prefix", True)
+        prefix = [normalizers.Prepend("▁")] if space_prefix else []
+        backend.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "▁")])
+        # decoding undoes it: "▁" back to spaces, <0xAB> tokens back to bytes, minus the prefix space
+        strip = [decoders.Strip(" ", left=1)] if space_prefix else []
+        backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                             *strip])
+        return backend
+
+    def tokenizer(self) -> Tokenizer:
+        kind = self.require("tokenizer.ggml.model")
+        tokens = list(self.require("tokenizer.ggml.tokens"))
+        types = list(self.get("tokenizer.ggml.token_type") or [gguf.TokenType.NORMAL] * len(tokens))
+        special_types = {gguf.TokenType.CONTROL}
+        if kind == "gpt2":
+            backend = self._byte_level_bpe(tokens)
+        elif kind == "llama":
+            backend = self._sentencepiece_bpe(tokens)
+            special_types.add(gguf.TokenType.UNKNOWN)  # <unk> is special too, as in llama.cpp and HF's Llama
+        else:
+            raise TreeserveError(f"{self.path}: tokenizer model {kind!r} is not supported "
+                                 "(supported: gpt2 byte-level BPE, llama SentencePiece BPE)")
         backend.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False)
                             for t, kind_ in zip(tokens, types) if kind_ == gguf.TokenType.USER_DEFINED])
         backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
-                                    for t, kind_ in zip(tokens, types) if kind_ == gguf.TokenType.CONTROL])
+                                    for t, kind_ in zip(tokens, types) if kind_ in special_types])
         bos_id = self.get("tokenizer.ggml.bos_token_id")
         eos_id = self.get("tokenizer.ggml.eos_token_id")
         bos = tokens[bos_id] if bos_id is not None else None
-        if bos is not None and self.get("tokenizer.ggml.add_bos_token", False):
+        # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
+        if bos is not None and self.get("tokenizer.ggml.add_bos_token", kind == "llama"):
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
         eos_ids = {int(eos_id)} if eos_id is not None else set()

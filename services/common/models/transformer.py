@@ -142,7 +142,8 @@ class DecoderLM(nn.Module):
         hidden state after each layer in `hidden_layer_ids` (0-based; the output of that decoder layer), (N, hidden).
         """
         x = self.model.embed_tokens(input_ids)
-        angles = positions.to(self.rope_inv_freq.dtype)[:, None] * self.rope_inv_freq[None, :]
+        # RoPE angles in float32 whatever the weights' dtype: bfloat16 positions would be off by whole steps.
+        angles = positions.float()[:, None] * self.rope_inv_freq.float()[None, :]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # (N, 1, head_dim): broadcast over heads
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         wanted = set(hidden_layer_ids)

@@ -1,0 +1,88 @@
+"""The engine on a CUDA device (run on the GPU host; skipped where there is none).
+
+float32: greedy speculative output equals plain greedy output exactly. bfloat16: a tree forward and a
+one-token forward round differently, so outputs may part ways, but only where the target's top two tokens
+are within bfloat16 noise of each other: every divergence is checked to be such a near-tie.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from random_targets import ENGINE_FAMILIES, RandomTreeDrafter, random_target, word_tokenizer
+from treeserve.drafter import NgramDrafter
+from treeserve.models import KVCache, TreeAttention
+from treeserve.sampling import GenerationParams
+from treeserve.verifier import generate
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+VOCAB = 96
+
+
+def oracle(prompt, reference):
+    return lambda context: list(reference[len(context) - len(prompt):])
+
+
+def next_token_logits(model, ids: list[int]) -> torch.Tensor:
+    cache = KVCache(model.config, len(ids), model.dtype, model.device)
+    mask = torch.ones(len(ids), len(ids), dtype=torch.bool, device=model.device).tril()
+    with torch.inference_mode():
+        logits, _ = model(torch.tensor(ids, device=model.device), torch.arange(len(ids), device=model.device),
+                          TreeAttention(cache, mask))
+    return logits[-1].float()
+
+
+def assert_equal_or_near_tie(model, prompt, reference, output, tolerance):
+    """Outputs agree up to the first difference, and there the two tokens' logits are within tolerance."""
+    same = next((i for i, (a, b) in enumerate(zip(reference, output)) if a != b), None)
+    if same is None:
+        assert len(output) == len(reference)
+        return
+    logits = next_token_logits(model, prompt + reference[:same])
+    gap = (logits[reference[same]] - logits[output[same]]).abs().item()
+    assert gap <= tolerance * max(1.0, logits.abs().max().item()), f"divergence at {same} with logit gap {gap}"
+
+
+@pytest.mark.parametrize("case", ENGINE_FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_speculation_on_cuda(case, dtype):
+    model = random_target(case, seed=1, vocab_size=VOCAB, weight_scale=2.0).to("cuda", dtype)
+    tokenizer = word_tokenizer(VOCAB)
+    params = GenerationParams(max_new_tokens=24)
+    rng = random.Random(0)
+    for p in range(3):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))]
+        reference = generate(model, tokenizer, prompt, params).token_ids
+        for budget in (1, 4, 16, 32, 64, 128):
+            drafter = RandomTreeDrafter(oracle(prompt, reference), VOCAB, seed=budget + p)
+            output = generate(model, tokenizer, prompt, params, drafter, budget).token_ids
+            if dtype == torch.float32:
+                assert output == reference, f"{case} budget {budget}"
+            else:
+                assert_equal_or_near_tie(model, prompt, reference, output, tolerance=2 ** -6)
+
+
+REAL_GGUF = os.environ.get("TREESERVE_SMOLLM2_GGUF")
+
+
+@pytest.mark.skipif(not REAL_GGUF, reason="set TREESERVE_SMOLLM2_GGUF to the staged SmolLM2 GGUF")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_real_model_ngram_on_cuda(dtype):
+    from treeserve.loading import load_target
+
+    target = load_target(REAL_GGUF, device="cuda", dtype=dtype)
+    params = GenerationParams(max_new_tokens=64)
+    for text in ("def fibonacci(n):", "The three primary colors are"):
+        prompt = target.tokenizer.encode(text)
+        reference = generate(target.model, target.tokenizer, prompt, params).token_ids
+        output = generate(target.model, target.tokenizer, prompt, params, NgramDrafter(), 16).token_ids
+        if dtype == "float32":
+            assert output == reference
+        else:
+            assert_equal_or_near_tie(target.model, prompt, reference, output, tolerance=2 ** -6)
