@@ -11,6 +11,7 @@ import torch
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
 from treeserve.errors import TreeserveError
+from treeserve.loading.gguf_header import read_header
 from treeserve.loading.weights import build_model
 from treeserve.models import DecoderLM, ModelConfig, RopeScaling
 from treeserve.tokenizer import Tokenizer
@@ -67,19 +68,18 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
                          "(supported: gpt2, smollm, starcoder, llama-bpe, qwen2)")
 
 
+def _rows(shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+
+
 class GGUFFile:
     def __init__(self, path: Path):
         self.path = path
-        try:
-            self.reader = gguf.GGUFReader(str(path))
-        except Exception as error:  # gguf raises ValueError, struct.error, IndexError, ... on bad bytes
-            raise TreeserveError(f"{path}: not a readable GGUF file, truncated or corrupt ({error})") from None
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.metadata, self.tensors, self.file = read_header(path)
         self.arch = self.get("general.architecture")
 
     def get(self, key: str, default=None):
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.metadata.get(key, default)
 
     def require(self, key: str):
         value = self.get(key)
@@ -89,13 +89,14 @@ class GGUFFile:
 
     def tensor(self, name: str) -> torch.Tensor:
         info = self.tensors[name]
+        # Rows of raw bytes, the layout gguf's dequantize expects for every type.
+        raw = self.file[info.offset:info.offset + info.nbytes].reshape(-1, info.nbytes // max(1, _rows(info.shape)))
         try:
-            values = gguf.quants.dequantize(info.data, info.tensor_type)
+            values = gguf.quants.dequantize(raw, info.kind)
         except NotImplementedError:
-            raise TreeserveError(f"{self.path}: tensor {name} uses quantization {info.tensor_type.name}, "
+            raise TreeserveError(f"{self.path}: tensor {name} uses quantization {info.kind.name}, "
                                  "which the gguf library cannot dequantize") from None
-        shape = tuple(int(d) for d in reversed(info.shape))  # GGUF lists dimensions innermost first
-        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(info.shape))
 
     def config(self) -> ModelConfig:
         if self.arch not in GGUF_FAMILIES:
