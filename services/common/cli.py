@@ -86,20 +86,15 @@ def make_drafter(name: str):
     return NgramDrafter()
 
 
-class TextStreamer:
-    """Prints text as tokens arrive, holding back an incomplete UTF-8 sequence until it completes."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.printed = tokenizer, [], 0
-
-    def add(self, token_ids: list[int]) -> None:
-        self.ids.extend(token_ids)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return
-        sys.stdout.write(text[self.printed:])
+def stream_text(generation) -> None:
+    """Run the generation to the end, printing text as it settles."""
+    printed = 0
+    while not generation.finished:
+        generation.step()
+        text = generation.settled_text()
+        sys.stdout.write(text[printed:])
         sys.stdout.flush()
-        self.printed = len(text)
+        printed = len(text)
 
 
 def run_generate(args) -> int:
@@ -116,11 +111,11 @@ def run_generate(args) -> int:
     tokenizer = target.tokenizer
     prompt_ids = tokenizer.encode_chat(prompt) if args.chat else tokenizer.encode(prompt)
     generation = Generation(target.model, tokenizer, prompt_ids, params, drafter, args.budget)
-    streamer = None if args.json else TextStreamer(tokenizer)
-    while not generation.finished:
-        committed = generation.step()
-        if streamer:
-            streamer.add(committed)
+    if args.json:
+        while not generation.finished:
+            generation.step()
+    else:
+        stream_text(generation)
     result = generation.result()
     if args.json:
         print(json.dumps({

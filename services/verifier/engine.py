@@ -151,14 +151,27 @@ class Generation:
             self.stop_text_end = min(found)
         return bool(found)
 
-    def result(self) -> GenerationResult:
+    def text(self) -> str:
+        """The output text so far, without a final stop token and cut before a matched stop string."""
         ids = self.output_ids
-        text_ids = ids[:-1] if self.finish_reason == "stop" and ids and ids[-1] in self.stop_ids else ids
-        text = self.tokenizer.decode(text_ids)
-        if self.stop_text_end is not None:
-            text = text[:self.stop_text_end]
+        if self.finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids)
+        return text if self.stop_text_end is None else text[:self.stop_text_end]
+
+    def settled_text(self) -> str:
+        """The part of text() that later tokens cannot change: while running, the tail that could still
+        become a stop string or complete a multi-byte character is held back. For streaming."""
+        text = self.text()
+        if self.finished:
+            return text
+        if self.params.stop_strings:
+            text = text[:max(0, len(text) - max(map(len, self.params.stop_strings)) + 1)]
+        return text.rstrip("\ufffd")
+
+    def result(self) -> GenerationResult:
         return GenerationResult(
-            token_ids=list(ids), text=text, finish_reason=self.finish_reason or "length",
+            token_ids=list(self.output_ids), text=self.text(), finish_reason=self.finish_reason or "length",
             prompt_tokens=len(self.prompt_ids), rounds=self.rounds, round_tokens=self.round_tokens,
             seed=self.seed, prefill_s=self.prefill_s, elapsed_s=self.elapsed_s)
 
