@@ -188,3 +188,32 @@ def test_bad_requests_get_clear_errors(kwargs, message):
     args = dict(prompt=[1, 2], params=GenerationParams(), budget=4) | kwargs
     with pytest.raises(TreeserveError, match=message):
         Generation(model, word_tokenizer(VOCAB), args["prompt"], args["params"], NgramDrafter(), args["budget"])
+
+
+def test_requests_batched_into_one_forward_each_get_their_own_output():
+    """Continuous batching: requests join between rounds, share each target forward, and leave when done."""
+    from treeserve.verifier.engine import forward_batch
+
+    model = random_target("qwen3", seed=6, vocab_size=VOCAB, weight_scale=2.0)
+    tokenizer = word_tokenizer(VOCAB)
+    requests = [(prompt, GenerationParams(max_new_tokens=8 + 5 * i)) for i, prompt in enumerate(prompts(5, seed=3))]
+    references = [generate(model, tokenizer, prompt, params).token_ids for prompt, params in requests]
+
+    def start(i):
+        prompt, params = requests[i]
+        return Generation(model, tokenizer, prompt, params,
+                          RandomTreeDrafter(oracle(prompt, references[i]), VOCAB, seed=i), budget=6)
+
+    running = {0: start(0), 1: start(1)}
+    finished, round_number = {}, 0
+    while running or len(finished) < len(requests):
+        if round_number in (2, 4, 5):  # later arrivals join a batch already decoding
+            index = len(running) + len(finished)
+            running[index] = start(index)
+        plans = {i: g.plan(g.local_draft() if g.prefilled else None) for i, g in running.items()}
+        for (i, plan), logits in zip(plans.items(), forward_batch(model, list(plans.values()))):
+            running[i].apply(plan, logits)
+        for i in [i for i, g in running.items() if g.finished]:
+            finished[i] = running.pop(i).result().token_ids
+        round_number += 1
+    assert [finished[i] for i in range(len(requests))] == references

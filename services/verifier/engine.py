@@ -14,7 +14,7 @@ import time
 import torch
 
 from treeserve.errors import TreeserveError
-from treeserve.models import DecoderLM, KVCache, TreeAttention
+from treeserve.models import BatchAttention, DecoderLM, KVCache, TreeAttention
 from treeserve.sampling import GenerationParams, choose_tokens, random_seed
 from treeserve.tokenizer import Tokenizer
 from treeserve.tree import MAX_BUDGET, DraftTree, Drafter
@@ -43,8 +43,38 @@ class GenerationResult:
         return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
+@dataclasses.dataclass
+class ForwardPlan:
+    """One request's share of a target forward: tokens at positions, attending to the committed prefix in
+    `cache` plus `mask` (N, N) among themselves; logits wanted at `logits_rows`. `tree` is None for a prefill."""
+
+    cache: KVCache
+    tokens: list[int]
+    positions: torch.Tensor
+    mask: torch.Tensor
+    logits_rows: list[int]
+    tree: DraftTree | None
+
+
+@torch.inference_mode()
+def forward_batch(model: DecoderLM, plans: list[ForwardPlan]) -> list[torch.Tensor]:
+    """One target forward for several requests packed together; returns each plan's logits rows."""
+    device = model.device
+    tokens = torch.tensor([t for plan in plans for t in plan.tokens], device=device)
+    positions = torch.cat([plan.positions for plan in plans])
+    attention = BatchAttention([TreeAttention(plan.cache, plan.mask) for plan in plans])
+    rows, offset = [], 0
+    for plan in plans:
+        rows.extend(offset + r for r in plan.logits_rows)
+        offset += len(plan.tokens)
+    logits, _ = model(tokens, positions, attention, logits_rows=torch.tensor(rows, device=device))
+    return list(torch.split(logits, [len(plan.logits_rows) for plan in plans]))
+
+
 class Generation:
-    """One request's state. Call `step()` until `finished`; each call returns the tokens it committed."""
+    """One request's state. In process: call `step()` until `finished`; each call returns the tokens it
+    committed. A batching server instead calls `plan(tree)`, runs several plans in one `forward_batch`, then
+    `apply(plan, logits)` for each."""
 
     def __init__(self, model: DecoderLM, tokenizer: Tokenizer, prompt_ids: list[int], params: GenerationParams,
                  drafter: Drafter | None = None, budget: int = 0):
@@ -54,13 +84,14 @@ class Generation:
             raise TreeserveError("the prompt is empty")
         if not all(0 <= t < cfg.vocab_size for t in prompt_ids):
             raise TreeserveError(f"prompt token ids must be in [0, {cfg.vocab_size})")
-        if drafter is not None and not 1 <= budget <= MAX_BUDGET:
+        if not 0 <= budget <= MAX_BUDGET or (drafter is not None and budget == 0):
             raise TreeserveError(f"budget must be between 1 and {MAX_BUDGET}, got {budget}")
         if len(prompt_ids) + params.max_new_tokens > cfg.max_context:
             raise TreeserveError(f"prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
                                  f"exceeds the model's context of {cfg.max_context} tokens")
         self.model, self.tokenizer, self.params = model, tokenizer, params
-        self.drafter, self.budget = drafter, budget if drafter is not None else 0
+        # budget bounds the trees this request accepts, from the local drafter or from plan()'s caller.
+        self.drafter, self.budget = drafter, budget
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.seed = params.seed if params.seed is not None else random_seed()
@@ -69,7 +100,7 @@ class Generation:
         self.cache = KVCache(cfg, len(prompt_ids) + params.max_new_tokens + self.budget, model.dtype, model.device)
         self.finish_reason: str | None = None
         self.stop_text_end: int | None = None  # where a matched stop string starts in the decoded text
-        self.rounds = self.round_tokens = 0
+        self.rounds = self.round_tokens = self.drafted_tokens = 0
         self.started = time.perf_counter()
         self.prefill_s = self.elapsed_s = 0.0
 
@@ -77,53 +108,59 @@ class Generation:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def prefilled(self) -> bool:
+        return bool(self.output_ids)
+
     def step(self) -> list[int]:
+        """One prefill or round with the local drafter (if any); returns the committed tokens."""
         if self.finished:
             return []
-        if not self.output_ids:
-            return self._prefill()
-        return self._round()
+        plan = self.plan(self.local_draft() if self.prefilled else None)
+        return self.apply(plan, forward_batch(self.model, [plan])[0])
 
-    @torch.inference_mode()
-    def _prefill(self) -> list[int]:
-        n = len(self.prompt_ids)
+    def plan(self, tree: DraftTree | None) -> ForwardPlan:
+        """What the next target forward runs for this request: the prompt (first call), else the tree to verify
+        (the root alone when `tree` is None: a plain decoding step). A tree from a drafter is checked here."""
         device = self.model.device
-        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril_()
-        logits, _ = self.model(torch.tensor(self.prompt_ids, device=device), torch.arange(n, device=device),
-                               TreeAttention(self.cache, causal), logits_rows=torch.tensor([n - 1], device=device))
-        self.cache.keep(list(range(n)))
-        first = choose_tokens(logits, self.params, self.seed, [0])
-        self.prefill_s = time.perf_counter() - self.started
-        return self._commit(first)
+        if not self.prefilled:
+            n = len(self.prompt_ids)
+            return ForwardPlan(self.cache, self.prompt_ids, torch.arange(n, device=device),
+                               torch.ones(n, n, dtype=torch.bool, device=device).tril_(), [n - 1], None)
+        root = self.output_ids[-1]
+        if tree is None:
+            tree = DraftTree([root], [-1])
+        tree.validate(self.model.config.vocab_size)
+        if tree.tokens[0] != root or tree.size > self.budget + 1:
+            raise TreeserveError(f"the drafter returned a tree that does not fit the request "
+                                 f"(root {tree.tokens[0]} vs {root}, {tree.size - 1} nodes for budget {self.budget})")
+        # A round emits at most depth + 1 tokens; deeper nodes could never be used.
+        tree = tree.truncated(self.params.max_new_tokens - len(self.output_ids) - 1)
+        positions = torch.tensor(tree.depths(), device=device) + self.cache.length
+        return ForwardPlan(self.cache, tree.tokens, positions, tree.ancestor_mask(device),
+                           list(range(tree.size)), tree)
 
-    @torch.inference_mode()
-    def _round(self) -> list[int]:
-        tree = self._draft()
-        depths = tree.depths()
-        device = self.model.device
-        positions = torch.tensor(depths, device=device) + self.cache.length
-        logits, _ = self.model(torch.tensor(tree.tokens, device=device), positions,
-                               TreeAttention(self.cache, tree.ancestor_mask(device)))
+    def apply(self, plan: ForwardPlan, logits: torch.Tensor) -> list[int]:
+        """Take the target's choices from `logits` (one row per plan.logits_rows) and commit what they accept."""
         done = len(self.output_ids)
-        choices = choose_tokens(logits, self.params, self.seed, [done + d for d in depths])
-        kept, emitted = walk_tree(tree, choices)
+        if plan.tree is None:  # prefill: the whole prompt is committed, its last row gives the first token
+            self.cache.keep(list(range(len(plan.tokens))))
+            committed = self._commit(choose_tokens(logits, self.params, self.seed, [done]))
+            self.prefill_s = time.perf_counter() - self.started
+            return committed
+        choices = choose_tokens(logits, self.params, self.seed, [done + d for d in plan.tree.depths()])
+        kept, emitted = walk_tree(plan.tree, choices)
         self.cache.keep(kept)
         committed = self._commit(emitted)
         self.rounds += 1
         self.round_tokens += len(committed)
+        self.drafted_tokens += plan.tree.size - 1
         return committed
 
-    def _draft(self) -> DraftTree:
-        root = self.output_ids[-1]
+    def local_draft(self) -> DraftTree | None:
         if self.drafter is None:
-            return DraftTree([root], [-1])
-        tree = self.drafter.propose(self.prompt_ids + self.output_ids, self.budget)
-        tree.validate(self.model.config.vocab_size)
-        if tree.tokens[0] != root or tree.size > self.budget + 1:
-            raise TreeserveError(f"drafter {self.drafter.name} returned a tree that does not fit the request "
-                                 f"(root {tree.tokens[0]} vs {root}, {tree.size - 1} nodes for budget {self.budget})")
-        # A round emits at most depth + 1 tokens; deeper nodes could never be used.
-        return tree.truncated(self.params.max_new_tokens - len(self.output_ids) - 1)
+            return None
+        return self.drafter.propose(self.prompt_ids + self.output_ids, self.budget)
 
     def _commit(self, tokens: list[int]) -> list[int]:
         """Append tokens one by one, stopping at a stop token, a stop string or the length limit."""

@@ -1,5 +1,5 @@
 from treeserve.models.config import FAMILIES, ModelConfig, RopeScaling
-from treeserve.models.kv_cache import KVCache, TreeAttention
+from treeserve.models.kv_cache import BatchAttention, KVCache, TreeAttention
 from treeserve.models.transformer import DecoderLM
 
-__all__ = ["FAMILIES", "DecoderLM", "KVCache", "ModelConfig", "RopeScaling", "TreeAttention"]
+__all__ = ["FAMILIES", "BatchAttention", "DecoderLM", "KVCache", "ModelConfig", "RopeScaling", "TreeAttention"]

@@ -57,3 +57,18 @@ class TreeAttention:
             q.transpose(0, 1)[None], keys[None, :, :self.end], values[None, :, :self.end],
             attn_mask=self.mask, enable_gqa=True)
         return out[0].transpose(0, 1)  # (N, H, D)
+
+
+class BatchAttention:
+    """Several requests' TreeAttentions in one forward: rows are split by request, each attends over its own
+    cache. (A Python loop over requests; the GPU verifier replaces it with one paged-attention kernel.)"""
+
+    def __init__(self, parts: list[TreeAttention]):
+        self.parts = parts
+        self.sizes = [part.end - part.start for part in parts]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.parts[0](layer, q, k, v)
+        return torch.cat([part(layer, *rows) for part, *rows in
+                          zip(self.parts, q.split(self.sizes), k.split(self.sizes), v.split(self.sizes))])
