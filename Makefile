@@ -1,4 +1,5 @@
-# The two commands of the README: `make run` (set up, then generate with the embedded default model on CPU)
+# The two commands of the README: `make run` (set up, start the three services on the embedded default model
+# on CPU and stream one demo request through them; Ctrl-C stops)
 # and `make test` (set up with the test extras, then run the tests). Both are idempotent.
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
@@ -22,8 +23,7 @@ $(VENV)/.setup-test-done: $(VENV)/.setup-done
 	touch $@
 
 run: setup
-	$(VENV)/bin/treeserve generate --target smollm2-135m --drafter ngram --chat --max-new-tokens 96 \
-		--prompt "$$(printf '$(DEMO_PROMPT)')"
+	$(VENV)/bin/treeserve up --target smollm2-135m --drafter ngram --demo-prompt "$$(printf '$(DEMO_PROMPT)')"
 
 test: setup-test
 	$(PYTHON) -m pytest -q

@@ -54,6 +54,26 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="default cpu")
     gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="default float32")
     add_generation_arguments(gen)
+
+    from treeserve.gateway.client import add_client_arguments
+
+    client = commands.add_parser("client", help="generate through a running gateway",
+                                 description="Send one request to a treeserve gateway and stream its text; "
+                                             "--json prints the same object as generate --json.")
+    add_client_arguments(client)
+
+    up = commands.add_parser("up", help="run gateway, verifier and drafter on Unix sockets",
+                             description="Start the three services on this machine (Unix sockets in a runtime "
+                                         "folder), wait until they serve, print the gateway address; Ctrl-C stops all.")
+    up.add_argument("--target", default="smollm2-135m", help="model name, HF folder or .gguf (default smollm2-135m)")
+    up.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="default ngram; none: plain decoding")
+    up.add_argument("--budget", type=int, default=16, help=f"default tree budget, 1 to {MAX_BUDGET} (default 16)")
+    up.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    up.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    up.add_argument("--runtime-dir", help="folder for sockets and logs (default: a new temporary folder)")
+    up.add_argument("--start-timeout-s", type=float, default=600, help="how long to wait for the services")
+    up.add_argument("--grace-s", type=float, default=10, help="drain period on stop (default 10)")
+    up.add_argument("--demo-prompt", help="once serving, stream one request with this prompt")
     return parser
 
 
@@ -117,27 +137,47 @@ def run_generate(args) -> int:
     else:
         stream_text(generation)
     result = generation.result()
-    if args.json:
-        print(json.dumps({
-            "token_ids": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
-            "prompt_tokens": result.prompt_tokens, "rounds": result.rounds,
-            "mean_accepted": round(result.mean_accepted, 4), "tokens_per_s": round(result.tokens_per_s, 3),
-            "prefill_s": round(result.prefill_s, 4), "elapsed_s": round(result.elapsed_s, 4),
-            "seed": result.seed, "target": args.target, "drafter": args.drafter,
-            "budget": args.budget if drafter else 0,
-        }))
-    else:
-        print(file=sys.stdout)
-        print(f"[{len(result.token_ids)} tokens in {result.elapsed_s:.2f} s ({result.tokens_per_s:.1f} tok/s), "
-              f"{result.rounds} rounds, {result.mean_accepted:.2f} tokens/round, finish: {result.finish_reason}]",
-              file=sys.stderr)
+    summary = {
+        "token_ids": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
+        "prompt_tokens": result.prompt_tokens, "rounds": result.rounds,
+        "mean_accepted": round(result.mean_accepted, 4), "tokens_per_s": round(result.tokens_per_s, 3),
+        "prefill_s": round(result.prefill_s, 4), "elapsed_s": round(result.elapsed_s, 4),
+        "seed": result.seed, "target": args.target, "drafter": args.drafter,
+        "budget": args.budget if drafter else 0,
+    }
+    print_result(summary, args.json)
     return 0
+
+
+def print_result(summary: dict, as_json: bool) -> None:
+    """The end of a generate or client call: the JSON object, or (after streamed text) a one-line summary."""
+    if as_json:
+        print(json.dumps(summary))
+        return
+    print()
+    print(f"[{len(summary['token_ids'])} tokens in {summary['elapsed_s']:.2f} s ({summary['tokens_per_s']:.1f} "
+          f"tok/s), {summary['rounds']} rounds, {summary['mean_accepted']:.2f} tokens/round, "
+          f"finish: {summary['finish_reason']}]", file=sys.stderr)
+
+
+def run_client(args) -> int:
+    from treeserve.gateway.client import main_client
+
+    return main_client(args)
+
+
+def run_up_command(args) -> int:
+    if not 1 <= args.budget <= MAX_BUDGET:
+        raise TreeserveError(f"--budget must be between 1 and {MAX_BUDGET}, got {args.budget}")
+    from treeserve.launcher import run_up
+
+    return run_up(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": run_generate}[args.command](args)
+        return {"generate": run_generate, "client": run_client, "up": run_up_command}[args.command](args)
     except TreeserveError as error:
         print(f"treeserve {args.command}: error: {error}", file=sys.stderr)
         return 1

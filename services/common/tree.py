@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-import torch
-
 from treeserve.errors import TreeserveError
 
 
@@ -51,8 +49,10 @@ class DraftTree:
             children[self.parents[i]].append(i)
         return children
 
-    def ancestor_mask(self, device: torch.device | str = "cpu") -> torch.Tensor:
+    def ancestor_mask(self, device="cpu"):
         """(N, N) bool: mask[i, j] is True when j is i or one of its ancestors."""
+        import torch  # here, not at the top: drafters use trees without needing torch
+
         mask = torch.eye(self.size, dtype=torch.bool)
         for i in range(1, self.size):
             mask[i] |= mask[self.parents[i]]

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from treeserve.errors import TreeserveError
-from treeserve.loading.gguf_file import load_gguf
-from treeserve.loading.hf_folder import load_hf_folder
+from treeserve.loading.gguf_file import GGUFFile, load_gguf
+from treeserve.loading.hf_folder import load_hf_folder, load_hf_tokenizer, read_json
 from treeserve.models import DecoderLM
 from treeserve.tokenizer import Tokenizer
 
@@ -96,3 +96,11 @@ def load_target(spec: str, device: str = "cpu", dtype: str = "float32") -> Loade
     loader = load_hf_folder if path.is_dir() else load_gguf
     model, tokenizer = loader(path, DTYPES[dtype], torch_device)
     return LoadedModel(spec, model, tokenizer)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """Only the tokenizer of a target (what the gateway needs), without reading the weights."""
+    path = resolve_target(spec)
+    if path.is_dir():
+        return load_hf_tokenizer(path, read_json(path / "config.json") if (path / "config.json").is_file() else {})
+    return GGUFFile(path).tokenizer()

@@ -18,7 +18,7 @@ from treeserve.tokenizer import Tokenizer
 HF_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as error:
@@ -86,9 +86,9 @@ def load_hf_tokenizer(folder: Path, model_raw: dict) -> Tokenizer:
     except Exception as error:  # the tokenizers library raises its own exception type
         raise TreeserveError(f"{path}: cannot load tokenizer ({error})") from None
     config_path = folder / "tokenizer_config.json"
-    tok_config = _read_json(config_path) if config_path.is_file() else {}
+    tok_config = read_json(config_path) if config_path.is_file() else {}
     generation_path = folder / "generation_config.json"
-    generation = _read_json(generation_path) if generation_path.is_file() else {}
+    generation = read_json(generation_path) if generation_path.is_file() else {}
     eos_ids: set[int] = set()
     for source in (model_raw, generation):
         value = source.get("eos_token_id")
@@ -110,7 +110,7 @@ def _weight_files(folder: Path) -> list[Path]:
         return [single]
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        shards = sorted(set(read_json(index).get("weight_map", {}).values()))
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
             raise TreeserveError(f"{folder}: shard {missing[0]} named in model.safetensors.index.json is missing")
@@ -122,7 +122,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, device) -> tuple[DecoderLM,
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise TreeserveError(f"{folder}: no config.json (expected a Hugging Face model folder)")
-    raw = _read_json(config_path)
+    raw = read_json(config_path)
     cfg = config_from_hf(raw)
     cfg.validate()
     tokenizer = load_hf_tokenizer(folder, raw)

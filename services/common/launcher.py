@@ -1,0 +1,111 @@
+"""`treeserve up`: the three services on Unix sockets in one runtime folder, on one machine.
+
+Starts drafter, verifier and gateway as child processes (logs in the runtime folder), waits until each reports
+SERVING on grpc.health.v1, prints `gateway: <address>`, and stops them all on Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from treeserve.errors import TreeserveError
+
+
+def is_serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class Stack:
+    def __init__(self, runtime: Path):
+        self.runtime = runtime
+        self.children: dict[str, tuple[subprocess.Popen, str, Path]] = {}
+
+    def start(self, name: str, args: list[str]) -> str:
+        address = f"unix://{self.runtime / name}.sock"
+        log = self.runtime / f"{name}.log"
+        with log.open("w") as out:
+            process = subprocess.Popen([sys.executable, "-m", f"treeserve.{name}", "--listen", address, *args],
+                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.children[name] = (process, address, log)
+        return address
+
+    def wait_serving(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for name, (process, address, log) in self.children.items():
+            print(f"waiting for the {name} ...", file=sys.stderr, flush=True)
+            while not is_serving(address):
+                if process.poll() is not None:
+                    raise TreeserveError(f"the {name} exited (code {process.returncode}); its log {log} ends:\n"
+                                         f"{log_tail(log)}")
+                if time.monotonic() > deadline:
+                    raise TreeserveError(f"the {name} was not serving after {timeout_s:.0f} s; see {log}")
+                time.sleep(0.2)
+
+    def exited(self) -> str | None:
+        return next((name for name, (process, _, _) in self.children.items() if process.poll() is not None), None)
+
+    def stop(self, grace_s: float) -> None:
+        for process, _, _ in self.children.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s + 5
+        for process, _, _ in self.children.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def run_up(args) -> int:
+    runtime = Path(args.runtime_dir) if args.runtime_dir else Path(tempfile.mkdtemp(prefix="treeserve-"))
+    runtime.mkdir(parents=True, exist_ok=True)
+    stack = Stack(runtime)
+    stopping = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    try:
+        verifier_args = ["--target", args.target, "--device", args.device, "--dtype", args.dtype,
+                         "--default-budget", str(args.budget), "--grace-s", str(args.grace_s)]
+        if args.drafter != "none":
+            verifier_args += ["--drafter", stack.start("drafter", ["--grace-s", str(args.grace_s)])]
+        verifier = stack.start("verifier", verifier_args)
+        gateway = stack.start("gateway", ["--target", args.target, "--verifier", verifier,
+                                          "--grace-s", str(args.grace_s)])
+        stack.wait_serving(args.start_timeout_s)
+        print(f"gateway: {gateway}", flush=True)
+        print(f"(logs in {runtime}; Ctrl-C stops all)", file=sys.stderr, flush=True)
+        if args.demo_prompt:
+            from treeserve.gateway.client import stream_demo
+
+            stream_demo(gateway, args.demo_prompt)
+        while not stopping and stack.exited() is None:
+            time.sleep(0.2)
+        if not stopping:
+            name = stack.exited()
+            raise TreeserveError(f"the {name} exited; its log ends:\n{log_tail(stack.children[name][2])}")
+        return 0
+    finally:
+        print("stopping ...", file=sys.stderr, flush=True)
+        stack.stop(args.grace_s)
+        for path in runtime.glob("*.sock"):
+            path.unlink(missing_ok=True)

@@ -1,0 +1,113 @@
+"""What every treeserve gRPC service shares: listen addresses, health, reflection, graceful shutdown.
+
+A service's main builds its servicers, then calls `serve(...)`, which starts a grpc.aio server on uvloop, keeps
+grpc.health.v1 at NOT_SERVING until the service says it is ready, and on SIGTERM or SIGINT flips health back to
+NOT_SERVING and gives in-flight streams `grace_s` seconds to finish before cancelling them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from treeserve.errors import TreeserveError
+
+log = logging.getLogger("treeserve")
+
+
+def normalize_address(address: str) -> str:
+    """Accepts unix:///abs/path, unix:relative/path, host:port or tcp://host:port; returns what gRPC takes."""
+    if address.startswith("unix:"):
+        path = address[len("unix://"):] if address.startswith("unix://") else address[len("unix:"):]
+        if not path:
+            raise TreeserveError(f"bad address {address!r}: no socket path")
+        return f"unix://{Path(path).resolve()}" if not path.startswith("/") else f"unix://{path}"
+    if address.startswith("tcp://"):
+        address = address[len("tcp://"):]
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise TreeserveError(f"bad address {address!r}: use unix:///path/to.sock or host:port")
+    return address
+
+
+def unix_socket_path(address: str) -> Path | None:
+    return Path(address[len("unix://"):]) if address.startswith("unix://") else None
+
+
+class Service:
+    """A started server plus its health status; `ready()` flips health to SERVING."""
+
+    def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, address: str):
+        self.server, self.health, self.address = server, health_servicer, address
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", status)
+
+
+async def start(listen: str, register: Callable[[grpc.aio.Server], list[str]],
+                options: list[tuple[str, int]] | None = None) -> Service:
+    """Bind `listen`, add the servicers (`register` returns their full service names) plus health and
+    reflection, and start serving with health NOT_SERVING."""
+    address = normalize_address(listen)
+    socket = unix_socket_path(address)
+    if socket is not None:
+        try:
+            socket.parent.mkdir(parents=True, exist_ok=True)
+            socket.unlink(missing_ok=True)  # a stale socket from a killed process would block the bind
+        except OSError as error:
+            raise TreeserveError(f"cannot listen on {address}: {error}") from None
+    server = grpc.aio.server(options=options or [
+        ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
+    names = register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError:  # grpcio raises when the address cannot be bound
+        raise TreeserveError(f"cannot listen on {address}") from None
+    await server.start()
+    service = Service(server, health_servicer, address)
+    await service.set_serving(False)
+    return service
+
+
+async def run_until_signalled(service: Service, grace_s: float,
+                              on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING, stop accepting, let streams finish for grace_s."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server_done = asyncio.ensure_future(service.server.wait_for_termination())
+    await asyncio.wait([server_done, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    log.info("stopping: draining in-flight streams for up to %.0f s", grace_s)
+    await service.set_serving(False)
+    await service.server.stop(grace_s)
+    if on_stop is not None:
+        await on_stop()
+    socket = unix_socket_path(service.address)
+    if socket is not None:
+        socket.unlink(missing_ok=True)
+
+
+def run(main: Awaitable[None]) -> None:
+    """asyncio on uvloop (the faster event loop) when it is installed."""
+    try:
+        import uvloop
+    except ImportError:  # plain asyncio is correct, only slower
+        asyncio.run(main)
+        return
+    uvloop.run(main)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")

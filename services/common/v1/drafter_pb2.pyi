@@ -1,0 +1,73 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Features(_message.Message):
+    __slots__ = ("data", "shape", "dtype")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class DraftItem(_message.Message):
+    __slots__ = ("request_id", "new_token_ids", "budget", "features", "finished")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    budget: int
+    features: Features
+    finished: bool
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("round", "items")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    items: _containers.RepeatedCompositeFieldContainer[DraftItem]
+    def __init__(self, round: _Optional[int] = ..., items: _Optional[_Iterable[_Union[DraftItem, _Mapping]]] = ...) -> None: ...
+
+class DraftTree(_message.Message):
+    __slots__ = ("request_id", "token_ids", "parents", "log_probs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    log_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., log_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class DraftResponse(_message.Message):
+    __slots__ = ("round", "trees")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TREES_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    trees: _containers.RepeatedCompositeFieldContainer[DraftTree]
+    def __init__(self, round: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ...) -> None: ...
+
+class DrafterServiceGetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrafterServiceGetInfoResponse(_message.Message):
+    __slots__ = ("kind", "max_budget", "feature_layer_ids")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MAX_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    max_budget: int
+    feature_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[str] = ..., max_budget: _Optional[int] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...

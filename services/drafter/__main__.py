@@ -1,0 +1,101 @@
+"""`python -m treeserve.drafter`: serve a drafter over gRPC until SIGTERM or SIGINT.
+
+Every flag can also come from the environment, TREESERVE_DRAFTER_<FLAG> (e.g. TREESERVE_DRAFTER_LISTEN);
+a flag on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from treeserve import serving
+from treeserve.cli import OneLineErrorParser
+from treeserve.drafter.ngram import NgramDrafter
+from treeserve.drafter.server import DrafterServicer
+from treeserve.errors import TreeserveError
+from treeserve.tree import MAX_BUDGET
+
+PROG = "python -m treeserve.drafter"
+KINDS = ("ngram",)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+log = logging.getLogger("treeserve.drafter")
+
+
+def default_listen() -> str:
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return f"unix://{Path(runtime_dir) / 'treeserve' / 'drafter.sock'}"
+
+
+def env(flag: str, default):
+    return os.environ.get(f"TREESERVE_DRAFTER_{flag.upper().replace('-', '_')}", default)
+
+
+def number(convert, minimum):
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is below {minimum}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(prog=PROG, description="Serve a treeserve drafter (DrafterService) over gRPC. "
+                                "Every flag can also be set as TREESERVE_DRAFTER_<FLAG>, e.g. "
+                                "TREESERVE_DRAFTER_LISTEN.")
+    parser.add_argument("--listen", default=env("listen", default_listen()),
+                        help="unix:///path/to.sock or host:port (default %(default)s)")
+    parser.add_argument("--kind", default=env("kind", "ngram"), help="ngram: prompt-lookup trees (the only kind)")
+    parser.add_argument("--max-budget", type=number(int, 1), default=env("max-budget", MAX_BUDGET),
+                        help="largest tree a request may ask for, in drafted nodes (default %(default)s)")
+    parser.add_argument("--grace-s", type=number(float, 0), default=env("grace-s", 10.0),
+                        help="on SIGTERM, seconds open streams get to finish (default %(default)s)")
+    parser.add_argument("--log-level", type=str.upper, default=env("log-level", "INFO"),
+                        help=f"one of {', '.join(LOG_LEVELS)} (default %(default)s)")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # argparse checks `choices` on the command line only, so values from the environment are checked here.
+    for flag, value, allowed in (("--kind", args.kind, KINDS), ("--log-level", args.log_level, LOG_LEVELS)):
+        if value not in allowed:
+            parser.error(f"argument {flag}: invalid choice {value!r} (choose from {', '.join(allowed)})")
+    return args
+
+
+async def serve(args: argparse.Namespace) -> None:
+    servicer = DrafterServicer(NgramDrafter(), max_budget=args.max_budget)
+    try:
+        service = await serving.start(args.listen, servicer.register)
+    except (OSError, RuntimeError) as error:  # gRPC raises RuntimeError when it cannot bind
+        raise TreeserveError(f"cannot listen on {args.listen}: {error}") from None
+    await service.set_serving(True)
+    log.info("drafter %s (max budget %d) listening on %s", args.kind, args.max_budget, service.address)
+    await serving.run_until_signalled(service, args.grace_s)
+    log.info("drafter stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    serving.setup_logging(args.log_level)
+    try:
+        serving.run(serve(args))
+    except TreeserveError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

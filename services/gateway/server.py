@@ -1,0 +1,253 @@
+"""The gateway: validates and tokenizes a request, streams it through the least busy verifier, detokenizes.
+
+One long-lived channel per verifier. A request goes to the verifier with the fewest requests in flight from this
+gateway (one that just failed goes last, ties to the least recently used) and moves on to the next verifier
+while none has answered it yet. Text is streamed as it settles (see TextStream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+
+import grpc
+
+from treeserve.errors import TreeserveError
+from treeserve.serving import Service, normalize_address, start
+from treeserve.tokenizer import Tokenizer
+from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
+from treeserve.wire import params_from_proto, params_to_proto
+
+log = logging.getLogger("treeserve.gateway")
+
+# Verifier statuses that mean something to the client as they are; any other failure is UNAVAILABLE.
+PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}
+# Failures after which another verifier may take a request that has produced nothing yet.
+TRY_NEXT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+class TextStream:
+    """Token ids in, newly settled text out: the rules of Generation.text()/settled_text(), incrementally.
+
+    Never emits part of a character (a decode ending in U+FFFD waits for the next tokens), the text of a stop
+    token, or anything from a stop string on; while running, the last len(longest stop string) - 1 characters
+    wait until they can no longer begin one. Decoding covers only the tokens since the last settled point, so a
+    step costs the same at token 10 as at token 10,000.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop_ids=(), stop_strings=()):
+        self.tokenizer, self.stop_ids, self.stop_strings = tokenizer, frozenset(stop_ids), tuple(stop_strings)
+        self.hold = max(map(len, self.stop_strings), default=1) - 1
+        self.ids: list[int] = []
+        self.start = self.mid = 0  # ids[start:mid] are already in self.text: context for decoding what follows
+        self.text = ""
+        self.sent = 0  # characters of self.text already returned
+        self.stopped = False  # a stop token or a stop string ended the text
+
+    def push(self, token_ids, final: bool = False) -> str:
+        """Adds one step's tokens; final: the generation is over, so everything left is settled."""
+        for token in token_ids:
+            if self.stopped:
+                break
+            if token in self.stop_ids:
+                self.stopped = True
+            else:
+                self.ids.append(token)
+        before = self.tokenizer.decode(self.ids[self.start:self.mid])
+        after = self.tokenizer.decode(self.ids[self.start:])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.text += after[len(before):]
+            self.start, self.mid = self.mid, len(self.ids)
+            # A match that starts before `sent` would have been complete, and found, one step earlier.
+            found = [i for s in self.stop_strings if (i := self.text.find(s, self.sent)) >= 0]
+            if found:
+                self.text, self.stopped = self.text[:min(found)], True
+                self.start = self.mid = len(self.ids)  # nothing is decoded after a stop string
+        end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self.hold)
+        text, self.sent = self.text[self.sent:end], end
+        return text
+
+
+class Verifier:
+    """One verifier: its channel, its info once it answered GetInfo, and this gateway's requests on it."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(normalize_address(address), options=CHANNEL_OPTIONS)
+        self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
+        self.info: verifier_pb2.VerifierServiceGetInfoResponse | None = None
+        self.inflight = 0
+        self.failed = False  # its last call found it unreachable
+        self.last_pick = 0
+
+    async def fetch_info(self, timeout: float) -> None:
+        try:
+            self.info = await self.stub.GetInfo(verifier_pb2.VerifierServiceGetInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as error:
+            log.debug("verifier %s: GetInfo: %s: %s", self.address, error.code().name, error.details())
+            self.failed = True
+            return
+        self.failed = False
+        log.info("verifier %s: model %s, context %d, drafters: %s", self.address, self.info.model,
+                 self.info.max_context, ", ".join(self.info.drafters) or "none")
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, tokenizer: Tokenizer, verifiers: list[str], max_inflight: int = 256,
+                 default_max_new_tokens: int = 64):
+        if not verifiers:
+            raise TreeserveError("the gateway needs at least one verifier address")
+        self.tokenizer = tokenizer
+        self.verifiers = [Verifier(address) for address in verifiers]
+        self.max_inflight, self.default_max_new_tokens = max_inflight, default_max_new_tokens
+        self.inflight = 0
+        self.picks = itertools.count(1)
+
+    @property
+    def info(self) -> verifier_pb2.VerifierServiceGetInfoResponse | None:
+        return next((v.info for v in self.verifiers if v.info is not None), None)
+
+    async def refresh_info(self, timeout: float = 5.0) -> bool:
+        """Asks the verifiers that have not answered yet; True once at least one has."""
+        await asyncio.gather(*(v.fetch_info(timeout) for v in self.verifiers if v.info is None))
+        first = self.info
+        for v in self.verifiers:
+            if v.info is not None and (v.info.model, v.info.max_context) != (first.model, first.max_context):
+                log.warning("verifier %s serves %s (context %d) but %s serves %s (context %d)", v.address,
+                            v.info.model, v.info.max_context, self.verifiers[0].address, first.model, first.max_context)
+        return first is not None
+
+    async def wait_for_verifiers(self, retry_s: float = 1.0) -> None:
+        while not await self.refresh_info():
+            await asyncio.sleep(retry_s)
+        if self.tokenizer.vocab_size > self.info.vocab_size:
+            log.warning("the tokenizer has %d tokens but the verifier's model only %d: is --target the verifier's "
+                        "model?", self.tokenizer.vocab_size, self.info.vocab_size)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(v.channel.close() for v in self.verifiers))
+
+    async def _model_info(self, context) -> verifier_pb2.VerifierServiceGetInfoResponse:
+        if self.info is None and not await self.refresh_info():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier answered: "
+                                + ", ".join(v.address for v in self.verifiers))
+        return self.info
+
+    async def GetModelInfo(self, request, context):
+        info = await self._model_info(context)
+        return gateway_pb2.GetModelInfoResponse(model=info.model, max_context=info.max_context,
+                                                max_new_tokens_limit=info.max_context - 1, max_budget=info.max_budget)
+
+    async def _prepare(self, request, context) -> tuple[verifier_pb2.VerifierServiceGenerateRequest, TextStream]:
+        """The verifier request and the text stream for a valid request; aborts with INVALID_ARGUMENT otherwise."""
+        try:
+            if not request.prompt:
+                raise TreeserveError("the prompt is empty")
+            params = params_from_proto(request.sampling, request.stop, self.default_max_new_tokens)
+            params.validate()
+            info = await self._model_info(context)
+            budget = request.speculation.budget
+            if not request.speculation.disabled and budget > info.max_budget:
+                raise TreeserveError(f"budget must be at most {info.max_budget}, got {budget}")
+            ids = self.tokenizer.encode_chat(request.prompt) if request.chat else self.tokenizer.encode(request.prompt)
+            if len(ids) + params.max_new_tokens > info.max_context:
+                raise TreeserveError(f"prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
+                                     f"exceeds the model's context of {info.max_context} tokens")
+        except TreeserveError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        sampling, stop = params_to_proto(params)
+        verifier_request = verifier_pb2.VerifierServiceGenerateRequest(
+            request_id=uuid.uuid4().hex, prompt_token_ids=ids, sampling=sampling, stop=stop,
+            speculation=request.speculation)
+        eos = () if params.ignore_eos else (info.eos_token_ids or self.tokenizer.eos_ids)
+        return verifier_request, TextStream(self.tokenizer, {*params.stop_token_ids, *eos}, params.stop_strings)
+
+    def _ranked(self) -> list[Verifier]:
+        return sorted(self.verifiers, key=lambda v: (v.failed, v.inflight, v.last_pick))
+
+    async def Generate(self, request, context):
+        if self.inflight >= self.max_inflight:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the gateway is at its limit of {self.max_inflight} requests in flight; retry later")
+        self.inflight += 1
+        try:
+            verifier_request, stream = await self._prepare(request, context)
+            started = time.perf_counter()
+            candidates = self._ranked()
+            for attempt, verifier in enumerate(candidates):
+                verifier.inflight += 1
+                verifier.last_pick = next(self.picks)
+                call = verifier.stub.Generate(verifier_request, timeout=context.time_remaining())
+                replies, final = 0, None
+                try:
+                    async for reply in call:
+                        replies += 1
+                        final = reply if reply.finish_reason else None
+                        yield self._response(reply, stream)
+                    verifier.failed = False
+                    if final is not None:
+                        log.info("request %s: %d prompt + %d tokens on %s in %.2f s, %s",
+                                 verifier_request.request_id, final.usage.prompt_tokens, final.usage.completion_tokens,
+                                 verifier.address, time.perf_counter() - started,
+                                 generation_pb2.FinishReason.Name(final.finish_reason))
+                        return
+                    status = (grpc.StatusCode.UNAVAILABLE,
+                              f"verifier {verifier.address} ended the stream without a final message")
+                except grpc.aio.AioRpcError as error:
+                    code = error.code()
+                    verifier.failed = code == grpc.StatusCode.UNAVAILABLE
+                    if replies == 0 and code in TRY_NEXT and attempt + 1 < len(candidates):
+                        log.warning("verifier %s: %s: %s; trying the next one", verifier.address, code.name,
+                                    error.details())
+                        continue
+                    if code in PASSED_THROUGH:
+                        status = (code, error.details() or code.name)
+                    else:
+                        status = (grpc.StatusCode.UNAVAILABLE,
+                                  f"verifier {verifier.address} failed: {code.name}: {error.details()}")
+                except asyncio.CancelledError:  # the client cancelled, left or ran out of time
+                    log.info("request %s: cancelled after %d replies", verifier_request.request_id, replies)
+                    raise
+                finally:
+                    call.cancel()  # a no-op once the call is over; frees the verifier's work when the client left
+                    verifier.inflight -= 1
+                log.warning("request %s: %s", verifier_request.request_id, status[1])
+                await context.abort(*status)
+        finally:
+            self.inflight -= 1
+
+    @staticmethod
+    def _response(reply: verifier_pb2.VerifierServiceGenerateResponse, stream: TextStream):
+        response = gateway_pb2.GenerateResponse(text=stream.push(reply.token_ids, final=bool(reply.finish_reason)),
+                                                token_ids=reply.token_ids)
+        if reply.finish_reason:
+            response.finish_reason = reply.finish_reason
+            response.usage.CopyFrom(reply.usage)
+            response.stats.CopyFrom(reply.stats)
+            response.seed = reply.seed
+        return response
+
+
+def register(servicer: GatewayServicer):
+    def add(server: grpc.aio.Server) -> list[str]:
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+        return [gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name]
+
+    return add
+
+
+async def serve(listen: str, servicer: GatewayServicer) -> tuple[Service, asyncio.Task]:
+    """Starts the gateway; health turns SERVING (in the returned task) once a verifier has answered GetInfo."""
+    service = await start(listen, register(servicer))
+
+    async def become_ready():
+        await servicer.wait_for_verifiers()
+        await service.set_serving(True)
+        log.info("gateway ready on %s", service.address)
+
+    return service, asyncio.ensure_future(become_ready())

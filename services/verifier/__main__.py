@@ -1,0 +1,95 @@
+"""python -m treeserve.verifier: serve a target model, verifying draft trees from one or more drafters."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import tempfile
+
+from treeserve.errors import TreeserveError
+from treeserve.tree import MAX_BUDGET
+
+log = logging.getLogger("treeserve.verifier")
+
+
+def env(flag: str, default=None):
+    return os.environ.get(f"TREESERVE_VERIFIER_{flag.upper().replace('-', '_')}", default)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    p = argparse.ArgumentParser(prog="python -m treeserve.verifier", description=__doc__,
+                                epilog="Every flag can also come from TREESERVE_VERIFIER_<FLAG> (drafters comma-separated).")
+    p.add_argument("--target", default=env("target", "smollm2-135m"), help="model name, HF folder or .gguf")
+    p.add_argument("--device", default=env("device", "cpu"), choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default=env("dtype", "float32"), choices=("float32", "bfloat16"))
+    p.add_argument("--listen", default=env("listen", f"unix://{runtime}/treeserve/verifier.sock"))
+    p.add_argument("--drafter", action="append", default=None, metavar="ADDRESS",
+                   help="a drafter to use (repeatable); none: plain decoding only")
+    p.add_argument("--default-budget", type=int, default=int(env("default_budget", 16)))
+    p.add_argument("--default-max-new-tokens", type=int, default=int(env("default_max_new_tokens", 256)))
+    p.add_argument("--max-batch", type=int, default=int(env("max_batch", 64)), help="requests per round at most")
+    p.add_argument("--draft-timeout-s", type=float, default=float(env("draft_timeout_s", 2.0)),
+                   help="a drafter slower than this is treated as down for the round")
+    p.add_argument("--grace-s", type=float, default=float(env("grace_s", 10.0)), help="drain period on SIGTERM")
+    p.add_argument("--log-level", default=env("log_level", "INFO"))
+    args = p.parse_args(argv)
+    if args.drafter is None:
+        args.drafter = [a for a in env("drafter", "").split(",") if a]
+    if not 1 <= args.default_budget <= MAX_BUDGET:
+        p.error(f"--default-budget must be between 1 and {MAX_BUDGET}")
+    if args.max_batch < 1 or args.default_max_new_tokens < 1:
+        p.error("--max-batch and --default-max-new-tokens must be positive")
+    return args
+
+
+async def serve(args) -> None:
+    from treeserve import serving
+    from treeserve.loading import load_target
+    from treeserve.v1 import verifier_pb2, verifier_pb2_grpc
+    from treeserve.verifier.drafter_link import DrafterLink
+    from treeserve.verifier.server import VerifierServicer
+
+    links = [DrafterLink(serving.normalize_address(a), args.draft_timeout_s) for a in args.drafter]
+    servicer = VerifierServicer(args.target, links, args.default_budget, args.default_max_new_tokens, args.max_batch)
+
+    def register(server):
+        verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server)
+        return [verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name]
+
+    service = await serving.start(args.listen, register)
+    log.info("verifier listening on %s; loading %s", service.address, args.target)
+    target = await asyncio.to_thread(load_target, args.target, args.device, args.dtype)
+    scheduler = servicer.attach(target)
+    scheduler_task = asyncio.ensure_future(scheduler.run())
+    for link in links:
+        await link.connect()
+    await service.set_serving(True)
+    log.info("verifier ready: %s on %s, drafters: %s", args.target, args.device, ", ".join(args.drafter) or "none")
+
+    async def stop():
+        scheduler_task.cancel()
+        for link in links:
+            await link.close()
+
+    await serving.run_until_signalled(service, args.grace_s, stop)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from treeserve import serving
+
+    serving.setup_logging(args.log_level)
+    try:
+        serving.run(serve(args))
+    except TreeserveError as error:
+        print(f"treeserve verifier: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,387 @@
+"""The gateway against fake verifiers (in-process, Unix sockets) that stream scripted token ids.
+
+Uses SmolLM2's real tokenizer; each test drives its own event loop with asyncio.run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from treeserve.errors import TreeserveError
+from treeserve.gateway.client import add_client_arguments, generate_via_gateway, main_client
+from treeserve.gateway.server import GatewayServicer, TextStream, serve
+from treeserve.sampling import GenerationParams
+from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
+
+TEXT = "Hello 日本語 🙂 world"  # multi-byte characters that SmolLM2 splits over several tokens
+MAX_CONTEXT = 64
+JSON_KEYS = {"token_ids", "text", "finish_reason", "prompt_tokens", "rounds", "mean_accepted", "tokens_per_s",
+             "prefill_s", "elapsed_s", "seed"}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from treeserve.loading import load_tokenizer
+
+    try:
+        return load_tokenizer("smollm2-135m")
+    except TreeserveError as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="module")
+def eos(tok):
+    return min(tok.eos_ids)
+
+
+@pytest.fixture(scope="module")
+def steps(tok, eos):
+    """TEXT's tokens two per step, then EOS."""
+    ids = tok.encode(TEXT)
+    return [ids[i:i + 2] for i in range(0, len(ids), 2)] + [[eos]]
+
+
+class FakeVerifier(verifier_pb2_grpc.VerifierServiceServicer):
+    """Streams `steps` (the last one with the final message), optionally waiting for `gate` before the last,
+    or aborts with `error`. Records the requests, their deadlines and whether a stream was cancelled."""
+
+    def __init__(self, steps, gated=False, error=None):
+        self.steps, self.error = steps, error
+        self.gate = asyncio.Event() if gated else None
+        self.requests, self.time_remaining = [], []
+        self.cancelled = asyncio.Event()
+
+    async def GetInfo(self, request, context):
+        return verifier_pb2.VerifierServiceGetInfoResponse(model="fake-smollm2", vocab_size=49152,
+                                                           max_context=MAX_CONTEXT, eos_token_ids=[2], max_budget=32,
+                                                           default_budget=16)
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        self.time_remaining.append(context.time_remaining())
+        if self.error:
+            await context.abort(*self.error)
+        try:
+            for step in self.steps[:-1]:
+                yield verifier_pb2.VerifierServiceGenerateResponse(token_ids=step)
+            if self.gate is not None:
+                await self.gate.wait()
+            n = sum(map(len, self.steps))
+            yield verifier_pb2.VerifierServiceGenerateResponse(
+                token_ids=self.steps[-1], finish_reason=generation_pb2.FINISH_REASON_STOP,
+                usage=generation_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=n),
+                stats=generation_pb2.SpeculationStats(rounds=len(self.steps) - 1, round_tokens=n - 2,
+                                                      mean_accepted=(n - 2) / (len(self.steps) - 1)),
+                seed=request.sampling.seed if request.sampling.HasField("seed") else 1234)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+@dataclasses.dataclass
+class Harness:
+    stub: gateway_pb2_grpc.GatewayServiceStub
+    servicer: GatewayServicer
+    address: str
+    channel: grpc.aio.Channel
+    servers: list
+    ready: asyncio.Task
+
+
+@contextlib.asynccontextmanager
+async def running(tmp_path, tok, fakes, down=0, **kwargs):
+    """The gateway in front of `fakes` plus `down` addresses where nothing listens."""
+    servers, addresses = [], []
+    for i, fake in enumerate(fakes):
+        server = grpc.aio.server()
+        verifier_pb2_grpc.add_VerifierServiceServicer_to_server(fake, server)
+        addresses.append(f"unix://{tmp_path}/v{i}.sock")
+        server.add_insecure_port(addresses[-1])
+        await server.start()
+        servers.append(server)
+    addresses += [f"unix://{tmp_path}/down{i}.sock" for i in range(down)]
+    servicer = GatewayServicer(tok, addresses, **kwargs)
+    service, ready = await serve(f"unix://{tmp_path}/g.sock", servicer)
+    channel = grpc.aio.insecure_channel(service.address)
+    try:
+        yield Harness(gateway_pb2_grpc.GatewayServiceStub(channel), servicer, service.address, channel, servers, ready)
+    finally:
+        ready.cancel()
+        await channel.close()
+        await service.server.stop(0)
+        await servicer.close()
+        for server in servers:
+            await server.stop(0)
+
+
+def request(prompt=TEXT, max_new_tokens=16, temperature=0.0, top_p=1.0, seed=None, **kwargs):
+    sampling = generation_pb2.SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+    return gateway_pb2.GenerateRequest(prompt=prompt, sampling=sampling,
+                                       stop=generation_pb2.StopConditions(max_new_tokens=max_new_tokens), **kwargs)
+
+
+async def status_of(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        async for _ in call:
+            pass
+    return error.value.code(), error.value.details()
+
+
+async def rest_of(call) -> list:
+    """The remaining replies of a call already read with call.read() (the two styles do not mix)."""
+    replies = []
+    while (reply := await call.read()) != grpc.aio.EOF:
+        replies.append(reply)
+    return replies
+
+
+# ------------------------------------------------------------------------------------------- text rules
+
+
+def test_text_stream_never_emits_half_a_character(tok):
+    ids = tok.encode(TEXT)
+    stream = TextStream(tok)
+    pieces = [stream.push([t]) for t in ids] + [stream.push([], final=True)]
+    assert "".join(pieces) == tok.decode(ids) == TEXT
+    assert not any("\ufffd" in p for p in pieces)
+    # The step that brings only the first bytes of 日 emits nothing of it.
+    first = next(i for i in range(len(ids)) if tok.decode(ids[:i + 1]).endswith("\ufffd"))
+    assert "日" not in "".join(pieces[:first + 1])
+
+
+def test_text_stream_holds_back_and_drops_stop_strings(tok):
+    ids = tok.encode("one two STOP three")
+    stream = TextStream(tok, stop_strings=["STOP", "xyz"])
+    pieces = [stream.push([t]) for t in ids]
+    assert "".join(pieces) + stream.push([], final=True) == "one two "
+    for i in range(len(ids)):  # until the stop string shows up, exactly the last len("STOP") - 1 wait
+        if "STOP" not in (so_far := tok.decode(ids[:i + 1])):
+            assert "".join(pieces[:i + 1]) == so_far[:max(0, len(so_far) - 3)]
+    # A near miss is released once it can no longer become the stop string.
+    stream = TextStream(tok, stop_strings=["STOP"])
+    assert "".join(stream.push([t]) for t in tok.encode("a STOne")) + stream.push([], final=True) == "a STOne"
+
+
+def test_text_stream_drops_a_stop_token_and_what_follows(tok, eos):
+    ids = tok.encode("alpha beta gamma")
+    stream = TextStream(tok, stop_ids={ids[1], eos})
+    assert stream.push(ids) + stream.push([], final=True) == tok.decode(ids[:1])
+    stream = TextStream(tok, stop_ids={eos})
+    assert stream.push(ids + [eos], final=True) == "alpha beta gamma"
+
+
+# --------------------------------------------------------------------------------------------- the service
+
+
+def test_streams_settled_text_and_the_final_message(tmp_path, tok, eos, steps):
+    async def main():
+        fake = FakeVerifier(steps)
+        async with running(tmp_path, tok, [fake]) as h:
+            replies = [r async for r in h.stub.Generate(request(seed=7))]
+            chat_replies = [r async for r in h.stub.Generate(request(prompt="Hi", chat=True))]
+        return fake, replies, chat_replies
+
+    fake, replies, chat_replies = asyncio.run(main())
+    assert "".join(r.text for r in replies) == TEXT
+    assert not any("\ufffd" in r.text for r in replies)
+    assert [list(r.token_ids) for r in replies] == steps
+    final = replies[-1]
+    assert final.finish_reason == generation_pb2.FINISH_REASON_STOP and final.seed == 7
+    assert final.usage.prompt_tokens == len(tok.encode(TEXT)) and final.stats.rounds == len(steps) - 1
+    assert not any(r.finish_reason for r in replies[:-1])
+    sent = fake.requests[0]
+    assert list(sent.prompt_token_ids) == tok.encode(TEXT) and sent.request_id
+    assert sent.stop.max_new_tokens == 16 and sent.sampling.seed == 7
+    assert list(fake.requests[1].prompt_token_ids) == tok.encode_chat("Hi")
+    assert fake.requests[0].request_id != fake.requests[1].request_id
+    assert chat_replies[-1].seed == 1234  # the verifier's seed when the request had none
+
+
+def test_bad_requests_are_invalid_argument(tmp_path, tok, steps):
+    async def main():
+        fake = FakeVerifier(steps)
+        async with running(tmp_path, tok, [fake]) as h:
+            bad = [request(prompt=""), request(temperature=-1.0), request(top_p=1.5),
+                   request(prompt="word " * MAX_CONTEXT), request(max_new_tokens=MAX_CONTEXT),
+                   request(speculation=generation_pb2.SpeculationParams(budget=33))]
+            results = [await status_of(h.stub.Generate(r)) for r in bad]
+        return fake, results
+
+    fake, results = asyncio.run(main())
+    assert [code for code, _ in results] == [grpc.StatusCode.INVALID_ARGUMENT] * 6
+    messages = [message for _, message in results]
+    assert "prompt is empty" in messages[0] and "temperature" in messages[1] and "top_p" in messages[2]
+    assert "context of 64" in messages[3] and "context of 64" in messages[4] and "budget" in messages[5]
+    assert fake.requests == []
+
+
+def test_admission_limit_is_resource_exhausted(tmp_path, tok, steps):
+    async def main():
+        fake = FakeVerifier(steps, gated=True)
+        async with running(tmp_path, tok, [fake], max_inflight=1) as h:
+            first = h.stub.Generate(request())
+            await first.read()
+            refused = await status_of(h.stub.Generate(request()))
+            fake.gate.set()
+            rest = await rest_of(first)
+            again = [r async for r in h.stub.Generate(request())]  # the slot is free again
+        return refused, rest, again
+
+    (code, message), rest, again = asyncio.run(main())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit of 1" in message
+    assert rest[-1].finish_reason and again[-1].finish_reason
+
+
+def test_requests_spread_by_inflight_count(tmp_path, tok, steps):
+    async def main():
+        fakes = [FakeVerifier(steps, gated=True), FakeVerifier(steps, gated=True)]
+        async with running(tmp_path, tok, fakes) as h:
+            calls = [h.stub.Generate(request()) for _ in range(4)]
+            for call in calls:
+                await call.read()
+            counts = [len(f.requests) for f in fakes]
+            for fake in fakes:
+                fake.gate.set()
+            for call in calls:
+                assert (await rest_of(call))[-1].finish_reason
+            idle = [v.inflight for v in h.servicer.verifiers] + [h.servicer.inflight]
+        return counts, idle
+
+    counts, idle = asyncio.run(main())
+    assert counts == [2, 2] and idle == [0, 0, 0]
+
+
+def test_client_cancel_cancels_the_verifier_stream(tmp_path, tok, steps):
+    async def main():
+        fake = FakeVerifier(steps, gated=True)
+        async with running(tmp_path, tok, [fake]) as h:
+            call = h.stub.Generate(request())
+            await call.read()
+            call.cancel()
+            await asyncio.wait_for(fake.cancelled.wait(), 5)
+            for _ in range(100):
+                if h.servicer.inflight == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return h.servicer.inflight, h.servicer.verifiers[0].inflight
+
+    assert asyncio.run(main()) == (0, 0)
+
+
+def test_verifier_down_or_failing(tmp_path, tok, steps):
+    async def main():
+        results = {}
+        async with running(tmp_path / "a", tok, [], down=1) as h:
+            results["none"] = await status_of(h.stub.Generate(request()))
+        fake = FakeVerifier(steps)
+        async with running(tmp_path / "b", tok, [fake]) as h:
+            await h.ready
+            await h.servers[0].stop(0)
+            results["stopped"] = await status_of(h.stub.Generate(request()))
+        fakes = [FakeVerifier(steps), FakeVerifier(steps)]
+        async with running(tmp_path / "c", tok, fakes) as h:
+            await h.ready
+            await h.servers[0].stop(0)  # the first in line is gone: the request moves on to the second
+            results["failover"] = [r async for r in h.stub.Generate(request())][-1].finish_reason
+        for name, error in [("invalid", (grpc.StatusCode.INVALID_ARGUMENT, "bad ids")),
+                            ("internal", (grpc.StatusCode.INTERNAL, "boom"))]:
+            async with running(tmp_path / name, tok, [FakeVerifier(steps, error=error)]) as h:
+                results[name] = await status_of(h.stub.Generate(request()))
+        return results
+
+    for sub in "abc":
+        (tmp_path / sub).mkdir()
+    (tmp_path / "invalid").mkdir()
+    (tmp_path / "internal").mkdir()
+    results = asyncio.run(main())
+    assert results["none"][0] == grpc.StatusCode.UNAVAILABLE and "down0.sock" in results["none"][1]
+    assert results["stopped"][0] == grpc.StatusCode.UNAVAILABLE and "v0.sock" in results["stopped"][1]
+    assert results["failover"] == generation_pb2.FINISH_REASON_STOP
+    assert results["invalid"] == (grpc.StatusCode.INVALID_ARGUMENT, "bad ids")
+    assert results["internal"][0] == grpc.StatusCode.UNAVAILABLE and "INTERNAL: boom" in results["internal"][1]
+
+
+def test_deadline_reaches_the_verifier(tmp_path, tok, steps):
+    async def main():
+        fake = FakeVerifier(steps)
+        async with running(tmp_path, tok, [fake]) as h:
+            [r async for r in h.stub.Generate(request(), timeout=30)]
+            [r async for r in h.stub.Generate(request())]
+        return fake.time_remaining
+
+    with_deadline, without = asyncio.run(main())
+    assert 20 < with_deadline <= 30 and without is None
+
+
+def test_model_info_and_health(tmp_path, tok, steps):
+    async def main():
+        async with running(tmp_path, tok, [FakeVerifier(steps)]) as h:
+            await h.ready
+            health = await health_pb2_grpc.HealthStub(h.channel).Check(health_pb2.HealthCheckRequest())
+            info = await h.stub.GetModelInfo(gateway_pb2.GetModelInfoRequest())
+        return health, info
+
+    health, info = asyncio.run(main())
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert (info.model, info.max_context, info.max_new_tokens_limit, info.max_budget) == ("fake-smollm2", 64, 63, 32)
+
+
+# ----------------------------------------------------------------------------------------------- the client
+
+
+def test_client_returns_the_generate_json_keys(tmp_path, tok, steps):
+    async def main():
+        pieces = []
+        async with running(tmp_path, tok, [FakeVerifier(steps)]) as h:
+            result = await generate_via_gateway(h.address, TEXT, GenerationParams(max_new_tokens=16, seed=5),
+                                                on_text=pieces.append)
+        return result, pieces
+
+    result, pieces = asyncio.run(main())
+    assert set(result) == JSON_KEYS
+    assert result["text"] == "".join(pieces) == TEXT
+    assert result["token_ids"] == sum(steps, []) and result["finish_reason"] == "stop" and result["seed"] == 5
+    assert result["prompt_tokens"] == len(tok.encode(TEXT)) and result["rounds"] == len(steps) - 1
+    assert 0 < result["prefill_s"] <= result["elapsed_s"]
+
+
+def test_client_errors_are_one_line(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_client_arguments(parser)
+    assert main_client(parser.parse_args(["--address", f"unix://{tmp_path}/none.sock", "--prompt", "hi"])) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("treeserve client: error: UNAVAILABLE: ") and err.count("\n") == 1
+    assert main_client(parser.parse_args(["--prompt", "hi", "--top-p", "2"])) == 1
+    assert capsys.readouterr().err == "treeserve client: error: top_p must be in (0, 1], got 2.0\n"
+
+
+# ------------------------------------------------------------------------------------------ the entry point
+
+
+def test_main_flags_env_and_errors(tmp_path, monkeypatch, capsys):
+    from treeserve.gateway.__main__ import main, parse_args
+
+    monkeypatch.setenv("TREESERVE_GATEWAY_VERIFIER", "unix:///tmp/a.sock, localhost:5000")
+    monkeypatch.setenv("TREESERVE_GATEWAY_MAX_INFLIGHT", "8")
+    args = parse_args(["--listen", "localhost:6000"])
+    assert args.verifier == ["unix:///tmp/a.sock", "localhost:5000"] and args.max_inflight == 8
+    assert parse_args(["--verifier", "localhost:1"]).verifier == ["localhost:1"]
+    for argv in (["--max-inflight", "0"], ["--verifier", "nowhere"], ["--log-level", "loud"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+    monkeypatch.setenv("TREESERVE_GATEWAY_MAX_INFLIGHT", "many")
+    with pytest.raises(SystemExit):
+        parse_args([])
+    assert "invalid int value: 'many'" in capsys.readouterr().err
+    monkeypatch.delenv("TREESERVE_GATEWAY_MAX_INFLIGHT")
+    assert main(["--target", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("treeserve gateway: error: target") and err.count("\n") == 1

@@ -1,0 +1,50 @@
+"""The three services as a user starts them: `treeserve up`, then `treeserve client`, on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import tiny_models
+
+pytestmark = pytest.mark.slow
+
+
+def treeserve(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "treeserve", *args], capture_output=True, text=True, timeout=300,
+                          **kwargs)
+
+
+def test_up_client_and_shutdown(tmp_path):
+    target = str(tiny_models.write_hf_folder("qwen3", tmp_path / "model", seed=0))
+    runtime = tmp_path / "run"
+    up = subprocess.Popen([sys.executable, "-m", "treeserve", "up", "--target", target, "--runtime-dir", str(runtime),
+                           "--grace-s", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = up.stdout.readline()  # printed once all three serve
+        assert line.startswith("gateway: unix://"), (line, up.stderr.read() if up.poll() is not None else "")
+        address = line.split(": ", 1)[1].strip()
+        prompt = ["--prompt", "the cat sat on the mat and the cat sat", "--max-new-tokens", "24"]
+        via_stack = treeserve("client", "--address", address, *prompt, "--json")
+        assert via_stack.returncode == 0, via_stack.stderr
+        in_process = treeserve("generate", "--target", target, "--drafter", "none", *prompt, "--json")
+        assert in_process.returncode == 0, in_process.stderr
+        stack_result, local_result = json.loads(via_stack.stdout), json.loads(in_process.stdout)
+        assert stack_result["token_ids"] == local_result["token_ids"]
+        assert stack_result["text"] == local_result["text"]
+        assert set(local_result) <= set(stack_result) | {"target", "drafter", "budget"}
+        streamed = treeserve("client", "--address", address, *prompt)
+        assert streamed.returncode == 0 and streamed.stdout.strip() == local_result["text"].strip()
+        bad = treeserve("client", "--address", address, "--prompt", "x", "--temperature", "-1")
+        assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    finally:
+        up.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        code = up.wait(timeout=60)
+    assert code == 0 and time.monotonic() - started < 30
+    assert not list(runtime.glob("*.sock"))

@@ -1,0 +1,168 @@
+"""The verifier service over gRPC with a real drafter service: concurrent requests batched together give the
+target's own output, with or without a working drafter, and cancellation frees what a request held."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+
+from random_targets import random_target, word_tokenizer
+from treeserve import serving
+from treeserve.drafter import NgramDrafter
+from treeserve.drafter.server import DrafterServicer
+from treeserve.loading import LoadedModel
+from treeserve.sampling import GenerationParams
+from treeserve.v1 import generation_pb2, verifier_pb2, verifier_pb2_grpc
+from treeserve.verifier import generate
+from treeserve.verifier.drafter_link import DrafterLink
+from treeserve.verifier.server import VerifierServicer
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def target():
+    return LoadedModel("tiny", random_target("llama", seed=7, vocab_size=VOCAB, weight_scale=2.0), word_tokenizer(VOCAB))
+
+
+async def start_verifier(tmp_path, target, drafter_addresses, timeout_s=1.0, max_batch=8):
+    links = [DrafterLink(address, timeout_s) for address in drafter_addresses]
+    servicer = VerifierServicer("tiny", links, default_budget=8, default_max_new_tokens=16, max_batch=max_batch)
+
+    def register(server):
+        verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server)
+        return ["treeserve.v1.VerifierService"]
+
+    service = await serving.start(f"unix://{tmp_path}/verifier.sock", register)
+    scheduler = servicer.attach(target)
+    task = asyncio.ensure_future(scheduler.run())
+    for link in links:
+        await link.connect()
+    return service, scheduler, task
+
+
+async def start_drafter(tmp_path, name="drafter"):
+    return await serving.start(f"unix://{tmp_path}/{name}.sock", DrafterServicer(NgramDrafter()).register)
+
+
+def request(prompt, max_new_tokens=24, **speculation):
+    return verifier_pb2.VerifierServiceGenerateRequest(
+        prompt_token_ids=prompt, stop=generation_pb2.StopConditions(max_new_tokens=max_new_tokens),
+        speculation=generation_pb2.SpeculationParams(**speculation))
+
+
+async def collect(stub, message):
+    tokens, final = [], None
+    async for reply in stub.Generate(message):
+        tokens.extend(reply.token_ids)
+        final = reply
+    return tokens, final
+
+
+def repetitive_prompts(count, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(2, 8))] * 3 for _ in range(count)]
+
+
+def expected(target, prompt, max_new_tokens=24):
+    return generate(target.model, target.tokenizer, prompt, GenerationParams(max_new_tokens=max_new_tokens)).token_ids
+
+
+def test_concurrent_requests_with_a_drafter_give_the_target_output(tmp_path, target):
+    prompts = repetitive_prompts(6, seed=1)
+
+    async def main():
+        drafter = await start_drafter(tmp_path)
+        service, scheduler, task = await start_verifier(tmp_path, target, [drafter.address])
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            results = await asyncio.gather(*(collect(stub, request(p)) for p in prompts))
+            info = await stub.GetInfo(verifier_pb2.VerifierServiceGetInfoRequest())
+        task.cancel()
+        await service.server.stop(0)
+        await drafter.server.stop(0)
+        return results, info, scheduler
+
+    results, info, scheduler = asyncio.run(main())
+    for prompt, (tokens, final) in zip(prompts, results):
+        assert tokens == expected(target, prompt)
+        assert final.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+        assert final.usage.completion_tokens == 24
+    assert max(final.stats.mean_accepted for _, final in results) > 1.5  # the repetition was found
+    assert info.vocab_size == VOCAB and info.drafters
+    assert not scheduler.running and not scheduler.waiting
+
+
+def test_a_drafter_that_is_down_or_dies_costs_speed_not_tokens(tmp_path, target):
+    prompts = repetitive_prompts(3, seed=2)
+
+    async def main():
+        drafter = await start_drafter(tmp_path, "alive")
+        # The first address never answers; the second dies half way through.
+        service, scheduler, task = await start_verifier(
+            tmp_path, target, [f"unix://{tmp_path}/nobody.sock", drafter.address], timeout_s=0.5)
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            pending = [asyncio.ensure_future(collect(stub, request(p, max_new_tokens=40))) for p in prompts]
+            await asyncio.sleep(0.05)
+            await drafter.server.stop(0)
+            results = await asyncio.gather(*pending)
+        task.cancel()
+        await service.server.stop(0)
+        return results
+
+    for prompt, (tokens, _) in zip(prompts, asyncio.run(main())):
+        assert tokens == expected(target, prompt, 40)
+
+
+def test_cancelling_a_request_frees_it_and_others_finish(tmp_path, target):
+    prompts = repetitive_prompts(2, seed=3)
+
+    async def main():
+        drafter = await start_drafter(tmp_path)
+        service, scheduler, task = await start_verifier(tmp_path, target, [drafter.address])
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            doomed = stub.Generate(request(prompts[0], max_new_tokens=400))
+            survivor = asyncio.ensure_future(collect(stub, request(prompts[1], max_new_tokens=30)))
+            await doomed.read()  # it is running
+            doomed.cancel()
+            tokens, _ = await survivor
+            for _ in range(100):  # the cancellation reaches the scheduler asynchronously
+                if not scheduler.running and not scheduler.waiting:
+                    break
+                await asyncio.sleep(0.01)
+            leftover = len(scheduler.running) + len(scheduler.waiting)
+        task.cancel()
+        await service.server.stop(0)
+        await drafter.server.stop(0)
+        return tokens, leftover
+
+    tokens, leftover = asyncio.run(main())
+    assert tokens == expected(target, prompts[1], 30)
+    assert leftover == 0
+
+
+@pytest.mark.parametrize("message, text", [
+    (request([], 8), "empty"),
+    (request([1, VOCAB + 5], 8), "prompt token ids"),
+    (verifier_pb2.VerifierServiceGenerateRequest(prompt_token_ids=[1], sampling=generation_pb2.SamplingParams(
+        temperature=-1)), "temperature"),
+    (request([1], 8, budget=1000), "budget"),
+    (request([1], 100_000), "context"),
+])
+def test_bad_requests_are_invalid_argument(tmp_path, target, message, text):
+    async def main():
+        service, scheduler, task = await start_verifier(tmp_path, target, [])
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await collect(verifier_pb2_grpc.VerifierServiceStub(channel), message)
+        task.cancel()
+        await service.server.stop(0)
+        return error.value
+
+    error = asyncio.run(main())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and text in error.details()
