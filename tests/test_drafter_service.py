@@ -12,7 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from treeserve import serving
-from treeserve.drafter.__main__ import default_listen, main, parse_args
+from treeserve.drafter.__main__ import main, parse_args
+from treeserve.serving import default_address
 from treeserve.drafter.ngram import NgramDrafter
 from treeserve.drafter.server import SERVICE_NAME, DrafterServicer
 from treeserve.tree import MAX_BUDGET
@@ -164,7 +165,7 @@ def test_flags_from_the_environment(monkeypatch):
     assert (args.listen, args.max_budget, args.grace_s, args.kind) == ("unix:///run/x.sock", 64, 2.5, "ngram")
     assert parse_args(["--max-budget", "3"]).max_budget == 3  # the command line wins
     monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/7")
-    assert default_listen() == "unix:///run/user/7/treeserve/drafter.sock"
+    assert default_address("drafter") == "unix:///run/user/7/treeserve/drafter.sock"
 
 
 @pytest.mark.parametrize("argv, code", [

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import tempfile
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -20,6 +22,17 @@ from grpc_reflection.v1alpha import reflection
 from treeserve.errors import TreeserveError
 
 log = logging.getLogger("treeserve")
+
+
+def default_address(service: str) -> str:
+    """Where a service listens unless told otherwise: a Unix socket in the runtime (or temp) directory."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return f"unix://{runtime}/treeserve/{service}.sock"
+
+
+def env_default(service: str, flag: str, default=None):
+    """A flag's default from TREESERVE_<SERVICE>_<FLAG> (dashes as underscores) when set, else `default`."""
+    return os.environ.get(f"TREESERVE_{service.upper()}_{flag.upper().replace('-', '_')}", default)
 
 
 def normalize_address(address: str) -> str:

@@ -7,11 +7,9 @@ a flag on the command line wins.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
-import os
 import sys
-import tempfile
-from pathlib import Path
 
 from treeserve import serving
 from treeserve.cli import OneLineErrorParser
@@ -27,13 +25,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 log = logging.getLogger("treeserve.drafter")
 
 
-def default_listen() -> str:
-    runtime_dir = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return f"unix://{Path(runtime_dir) / 'treeserve' / 'drafter.sock'}"
-
-
-def env(flag: str, default):
-    return os.environ.get(f"TREESERVE_DRAFTER_{flag.upper().replace('-', '_')}", default)
+env = functools.partial(serving.env_default, "drafter")
 
 
 def number(convert, minimum):
@@ -52,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog=PROG, description="Serve a treeserve drafter (DrafterService) over gRPC. "
                                 "Every flag can also be set as TREESERVE_DRAFTER_<FLAG>, e.g. "
                                 "TREESERVE_DRAFTER_LISTEN.")
-    parser.add_argument("--listen", default=env("listen", default_listen()),
+    parser.add_argument("--listen", default=env("listen", serving.default_address("drafter")),
                         help="unix:///path/to.sock or host:port (default %(default)s)")
     parser.add_argument("--kind", default=env("kind", "ngram"), help="ngram: prompt-lookup trees (the only kind)")
     parser.add_argument("--max-budget", type=number(int, 1), default=env("max-budget", MAX_BUDGET),

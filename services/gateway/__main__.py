@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
-import os
 import sys
 
+from treeserve import serving
 from treeserve.cli import OneLineErrorParser
 from treeserve.errors import TreeserveError
-from treeserve.gateway import default_address
 
 log = logging.getLogger("treeserve.gateway")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
-
-def env(flag: str, default=None):
-    return os.environ.get(f"TREESERVE_GATEWAY_{flag.upper().replace('-', '_')}", default)
+env = functools.partial(serving.env_default, "gateway")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -26,8 +24,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target", default=env("target", "smollm2-135m"),
                    help="the verifier's model (name, HF folder or .gguf), for its tokenizer (default smollm2-135m)")
     p.add_argument("--verifier", action="append", default=None, metavar="ADDRESS",
-                   help=f"a verifier (repeatable; default {default_address('verifier')})")
-    p.add_argument("--listen", default=env("listen", default_address("gateway")), help="default %(default)s")
+                   help=f"a verifier (repeatable; default {serving.default_address('verifier')})")
+    p.add_argument("--listen", default=env("listen", serving.default_address("gateway")), help="default %(default)s")
     p.add_argument("--max-inflight", type=int, default=env("max_inflight", "256"),
                    help="requests in flight at most; more are refused with RESOURCE_EXHAUSTED (default 256)")
     p.add_argument("--default-max-new-tokens", type=int, default=env("default_max_new_tokens", "64"),
@@ -36,7 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=env("log_level", "INFO"))
     args = p.parse_args(argv)
     if args.verifier is None:
-        args.verifier = [a.strip() for a in env("verifier", default_address("verifier")).split(",") if a.strip()]
+        args.verifier = [a.strip() for a in env("verifier", serving.default_address("verifier")).split(",") if a.strip()]
     if not args.verifier:
         p.error("give at least one --verifier")
     if args.max_inflight < 1 or args.default_max_new_tokens < 1 or args.grace_s < 0:

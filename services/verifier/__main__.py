@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
-import os
 import sys
-import tempfile
 
 from treeserve.errors import TreeserveError
 from treeserve.tree import MAX_BUDGET
@@ -15,22 +14,20 @@ from treeserve.tree import MAX_BUDGET
 log = logging.getLogger("treeserve.verifier")
 
 
-def env(flag: str, default=None):
-    return os.environ.get(f"TREESERVE_VERIFIER_{flag.upper().replace('-', '_')}", default)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    from treeserve import serving
+
+    env = functools.partial(serving.env_default, "verifier")
     p = argparse.ArgumentParser(prog="python -m treeserve.verifier", description=__doc__,
                                 epilog="Every flag can also come from TREESERVE_VERIFIER_<FLAG> (drafters comma-separated).")
     p.add_argument("--target", default=env("target", "smollm2-135m"), help="model name, HF folder or .gguf")
     p.add_argument("--device", default=env("device", "cpu"), choices=("cpu", "cuda"))
     p.add_argument("--dtype", default=env("dtype", "float32"), choices=("float32", "bfloat16"))
-    p.add_argument("--listen", default=env("listen", f"unix://{runtime}/treeserve/verifier.sock"))
+    p.add_argument("--listen", default=env("listen", serving.default_address("verifier")))
     p.add_argument("--drafter", action="append", default=None, metavar="ADDRESS",
                    help="a drafter to use (repeatable); none: plain decoding only")
     p.add_argument("--default-budget", type=int, default=int(env("default_budget", 16)))
-    p.add_argument("--default-max-new-tokens", type=int, default=int(env("default_max_new_tokens", 256)))
+    p.add_argument("--default-max-new-tokens", type=int, default=int(env("default_max_new_tokens", 64)))
     p.add_argument("--max-batch", type=int, default=int(env("max_batch", 64)), help="requests per round at most")
     p.add_argument("--draft-timeout-s", type=float, default=float(env("draft_timeout_s", 2.0)),
                    help="a drafter slower than this is treated as down for the round")
