@@ -7,6 +7,7 @@ import random
 import pytest
 
 from random_targets import ENGINE_FAMILIES, RandomTreeDrafter, random_target, word_tokenizer
+from treeserve.detokenize import TextStream
 from treeserve.drafter import NgramDrafter
 from treeserve.errors import TreeserveError
 from treeserve.sampling import GenerationParams
@@ -125,19 +126,18 @@ class TestStopsInsideAnAcceptedPath:
         assert stop in " ".join(words[:len(result.token_ids)])
         assert stop not in " ".join(words[:len(result.token_ids) - 1])
 
-    def test_streamed_text_never_shows_a_stop_string(self):
+    def test_streamed_text_never_shows_a_stop_string_and_ends_as_the_result(self):
         i, token = self.first_new_token_after(7)
         stop = f"w{self.reference[i - 1]} w{token}"
         drafter = RandomTreeDrafter(oracle(self.prompt, self.reference), VOCAB, seed=2, oracle_rate=1.0)
         generation = Generation(self.model, word_tokenizer(VOCAB), self.prompt,
                                 GenerationParams(max_new_tokens=40, stop_strings=(stop,)), drafter, 8)
+        stream = TextStream(generation.tokenizer, generation.stop_ids, (stop,))
         streamed = []
         while not generation.finished:
-            generation.step()
-            streamed.append(generation.settled_text())
+            streamed.append(stream.push(generation.step(), final=generation.finished))
         final = generation.result().text
-        assert streamed[-1] == final and stop not in final
-        assert all(final.startswith(text) for text in streamed)
+        assert "".join(streamed) == final and stop not in final
 
     @pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 17])
     def test_max_new_tokens(self, max_new_tokens):

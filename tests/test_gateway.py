@@ -16,7 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from treeserve.errors import TreeserveError
 from treeserve.gateway.client import add_client_arguments, generate_via_gateway, main_client
-from treeserve.gateway.server import GatewayServicer, TextStream, serve
+from treeserve.detokenize import TextStream
+from treeserve.gateway.server import GatewayServicer, serve
 from treeserve.sampling import GenerationParams
 from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
 

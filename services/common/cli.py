@@ -108,13 +108,13 @@ def make_drafter(name: str):
 
 def stream_text(generation) -> None:
     """Run the generation to the end, printing text as it settles."""
-    printed = 0
+    from treeserve.detokenize import TextStream
+
+    stream = TextStream(generation.tokenizer, generation.stop_ids, generation.params.stop_strings)
     while not generation.finished:
-        generation.step()
-        text = generation.settled_text()
-        sys.stdout.write(text[printed:])
+        committed = generation.step()
+        sys.stdout.write(stream.push(committed, final=generation.finished))
         sys.stdout.flush()
-        printed = len(text)
 
 
 def run_generate(args) -> int:

@@ -196,16 +196,6 @@ class Generation:
         text = self.tokenizer.decode(ids)
         return text if self.stop_text_end is None else text[:self.stop_text_end]
 
-    def settled_text(self) -> str:
-        """The part of text() that later tokens cannot change: while running, the tail that could still
-        become a stop string or complete a multi-byte character is held back. For streaming."""
-        text = self.text()
-        if self.finished:
-            return text
-        if self.params.stop_strings:
-            text = text[:max(0, len(text) - max(map(len, self.params.stop_strings)) + 1)]
-        return text.rstrip("\ufffd")
-
     def result(self) -> GenerationResult:
         return GenerationResult(
             token_ids=list(self.output_ids), text=self.text(), finish_reason=self.finish_reason or "length",
