@@ -6,7 +6,7 @@ from treeserve.tokenizer import Tokenizer
 
 
 class TextStream:
-    """Token ids in, newly settled text out: the rules of Generation.text()/settled_text(), incrementally.
+    """Token ids in, newly settled text out: the rules of Generation.text(), applied incrementally.
 
     Never emits part of a character (a decode ending in U+FFFD waits for the next tokens), the text of a stop
     token, or anything from a stop string on; while running, the last len(longest stop string) - 1 characters
