@@ -54,9 +54,10 @@ class DrafterLink:
         if self.sent.pop(request_id, None) is not None:
             self.to_drop.add(request_id)
 
-    async def draft(self, contexts: dict[str, tuple[list[int], int]]) -> dict[str, DraftTree]:
-        """contexts: request id -> (prompt + output so far, budget). Returns the trees the drafter proposed;
-        an empty dict when the link is down or fails this round (those requests then decode plainly)."""
+    async def draft(self, requests: dict) -> dict[str, DraftTree]:
+        """requests: request id -> its Generation (committed tokens and budget). Only tokens this stream has
+        not seen travel. Returns the trees the drafter proposed; an empty dict when the link is down or fails
+        this round (those requests then decode plainly)."""
         if not self.up:
             return {}
         self.round += 1
@@ -64,10 +65,11 @@ class DrafterLink:
         for request_id in self.to_drop:
             message.items.add(request_id=request_id, finished=True)
         self.to_drop.clear()
-        for request_id, (context, budget) in contexts.items():
-            start = self.sent.get(request_id, 0)
-            message.items.add(request_id=request_id, new_token_ids=context[start:], budget=min(budget, self.max_budget))
-            self.sent[request_id] = len(context)
+        for request_id, generation in requests.items():
+            message.items.add(request_id=request_id,
+                              new_token_ids=generation.committed_since(self.sent.get(request_id, 0)),
+                              budget=min(generation.budget, self.max_budget))
+            self.sent[request_id] = generation.committed_count
         try:
             await self.call.write(message)
             reply = await asyncio.wait_for(self.call.read(), self.timeout_s)

@@ -157,10 +157,21 @@ class Generation:
         self.drafted_tokens += plan.tree.size - 1
         return committed
 
+    @property
+    def committed_count(self) -> int:
+        """Prompt plus generated tokens: the draft context's length."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def committed_since(self, start: int) -> list[int]:
+        """Draft-context tokens from index `start` on, without copying the whole history."""
+        if start >= len(self.prompt_ids):
+            return self.output_ids[start - len(self.prompt_ids):]
+        return self.prompt_ids[start:] + self.output_ids
+
     def local_draft(self) -> DraftTree | None:
         if self.drafter is None:
             return None
-        return self.drafter.propose(self.prompt_ids + self.output_ids, self.budget)
+        return self.drafter.propose(self.committed_since(0), self.budget)
 
     def _commit(self, tokens: list[int]) -> list[int]:
         """Append tokens one by one, stopping at a stop token, a stop string or the length limit."""

@@ -77,13 +77,12 @@ class Scheduler:
                 healthy = [link for link in self.links if link.up]  # move to a drafter that works
                 if healthy:
                     entry.link = min(healthy, key=self._load)
-        by_link: dict[DrafterLink, dict] = {}
+        by_link: dict[DrafterLink, dict[str, Generation]] = {}
         for request_id, entry in self.running.items():
-            g = entry.generation
-            if entry.link is not None and entry.link.up and g.prefilled:
-                by_link.setdefault(entry.link, {})[request_id] = (g.prompt_ids + g.output_ids, g.budget)
+            if entry.link is not None and entry.link.up and entry.generation.prefilled:
+                by_link.setdefault(entry.link, {})[request_id] = entry.generation
         trees = {}
-        for found in await asyncio.gather(*(link.draft(contexts) for link, contexts in by_link.items())):
+        for found in await asyncio.gather(*(link.draft(requests) for link, requests in by_link.items())):
             trees.update(found)
         return trees
 
