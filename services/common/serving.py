@@ -1,8 +1,9 @@
 """What every treeserve gRPC service shares: listen addresses, health, reflection, graceful shutdown.
 
-A service's main builds its servicers, then calls `serve(...)`, which starts a grpc.aio server on uvloop, keeps
-grpc.health.v1 at NOT_SERVING until the service says it is ready, and on SIGTERM or SIGINT flips health back to
-NOT_SERVING and gives in-flight streams `grace_s` seconds to finish before cancelling them.
+A service's main runs under `run(...)` (asyncio on uvloop), calls `start(...)`, which starts a grpc.aio server
+with health (NOT_SERVING) and reflection, calls `set_serving(True)` once it is ready, then
+`run_until_signalled(...)`: on SIGTERM or SIGINT health goes back to NOT_SERVING and in-flight streams get
+`grace_s` seconds to finish before they are cancelled.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from grpc_reflection.v1alpha import reflection
 from treeserve.errors import TreeserveError
 
 log = logging.getLogger("treeserve")
+
+# Servers and clients alike: room for large messages (DFlash target features travel on the Draft stream).
+MESSAGE_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
 def default_address(service: str) -> str:
@@ -55,7 +59,7 @@ def unix_socket_path(address: str) -> Path | None:
 
 
 class Service:
-    """A started server plus its health status; `ready()` flips health to SERVING."""
+    """A started server plus its health status; `set_serving(True)` flips health to SERVING."""
 
     def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, address: str):
         self.server, self.health, self.address = server, health_servicer, address
@@ -65,8 +69,7 @@ class Service:
         await self.health.set("", status)
 
 
-async def start(listen: str, register: Callable[[grpc.aio.Server], list[str]],
-                options: list[tuple[str, int]] | None = None) -> Service:
+async def start(listen: str, register: Callable[[grpc.aio.Server], list[str]]) -> Service:
     """Bind `listen`, add the servicers (`register` returns their full service names) plus health and
     reflection, and start serving with health NOT_SERVING."""
     address = normalize_address(listen)
@@ -77,8 +80,7 @@ async def start(listen: str, register: Callable[[grpc.aio.Server], list[str]],
             socket.unlink(missing_ok=True)  # a stale socket from a killed process would block the bind
         except OSError as error:
             raise TreeserveError(f"cannot listen on {address}: {error}") from None
-    server = grpc.aio.server(options=options or [
-        ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
+    server = grpc.aio.server(options=MESSAGE_OPTIONS)
     names = register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -17,7 +17,7 @@ import grpc
 
 from treeserve.detokenize import TextStream
 from treeserve.errors import TreeserveError
-from treeserve.serving import Service, normalize_address, start
+from treeserve.serving import MESSAGE_OPTIONS, Service, normalize_address, start
 from treeserve.tokenizer import Tokenizer
 from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
 from treeserve.wire import params_from_proto, params_to_proto
@@ -29,7 +29,6 @@ PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXH
                   grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}
 # Failures after which another verifier may take a request that has produced nothing yet.
 TRY_NEXT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
 class Verifier:
@@ -37,7 +36,7 @@ class Verifier:
 
     def __init__(self, address: str):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(normalize_address(address), options=CHANNEL_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(normalize_address(address), options=MESSAGE_OPTIONS)
         self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
         self.info: verifier_pb2.VerifierServiceGetInfoResponse | None = None
         self.inflight = 0

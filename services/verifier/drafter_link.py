@@ -13,6 +13,7 @@ import time
 
 import grpc
 
+from treeserve.serving import MESSAGE_OPTIONS
 from treeserve.tree import DraftTree
 from treeserve.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -22,7 +23,7 @@ log = logging.getLogger("treeserve.verifier")
 class DrafterLink:
     def __init__(self, address: str, timeout_s: float, max_backoff_s: float = 5.0):
         self.address, self.timeout_s, self.max_backoff_s = address, timeout_s, max_backoff_s
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = grpc.aio.insecure_channel(address, options=MESSAGE_OPTIONS)
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
         self.call = None  # the Draft stream while up
         self.kind, self.max_budget = "", 0

@@ -242,5 +242,5 @@ def load_gguf(path: Path, dtype: torch.dtype, device) -> tuple[DecoderLM, Tokeni
 
     try:
         return build_model(cfg, names, read, str(path), dtype, device), tokenizer
-    except (ValueError, IndexError) as error:  # tensor data cut short by a truncated file
+    except (ValueError, IndexError) as error:  # tensor bytes that do not fit its shape (truncation is caught earlier)
         raise TreeserveError(f"{path}: tensor data is truncated or corrupt ({error})") from None
