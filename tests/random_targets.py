@@ -12,9 +12,9 @@ import tokenizers
 import torch
 from tokenizers import models, pre_tokenizers
 
-from treeserve.models import DecoderLM, ModelConfig, RopeScaling
+from treeserve.models import DecoderLM, KVCache, ModelConfig, RopeScaling, TreeAttention
 from treeserve.tokenizer import Tokenizer
-from treeserve.tree import DraftTree
+from treeserve.tree import DraftTree, TokenDrafter
 
 ENGINE_FAMILIES = ("llama", "llama3", "qwen2", "qwen3")
 
@@ -51,7 +51,7 @@ def random_target(case: str, seed: int = 0, vocab_size: int = 96, weight_scale: 
     return model.to(dtype).eval().requires_grad_(False)
 
 
-class RandomTreeDrafter:
+class RandomTreeDrafter(TokenDrafter):
     """Random trees (random shape, random tokens) with the true continuation hidden along one branch with
     probability `oracle_rate`; `continuation(context)` supplies the target's own next tokens."""
 
@@ -62,7 +62,7 @@ class RandomTreeDrafter:
         self.rng = random.Random(seed)
         self.oracle_rate = oracle_rate
 
-    def propose(self, context: list[int], budget: int) -> DraftTree:
+    def tree(self, context: list[int], budget: int) -> DraftTree:
         rng = self.rng
         size = rng.randint(1, budget)
         tokens, parents = [context[-1]], [-1]
@@ -87,3 +87,26 @@ class RandomTreeDrafter:
         while parents[i] >= 0:
             i, depth = parents[i], depth + 1
         return depth
+
+
+def random_dflash_drafter(target: DecoderLM, tree: str, seed: int = 0, block_size: int = 6):
+    """An untrained DFlash drafter for `target`: one layer, random weights, reading target layers 0 and 1."""
+    from treeserve.drafter.dflash import DFlashConfig, DFlashDrafter, DFlashModel
+
+    cfg = target.config
+    layers = ModelConfig(family="qwen3", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                         intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=12,
+                         rms_norm_eps=1e-6, rope_theta=10000.0, max_context=cfg.max_context,
+                         tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = DFlashModel(DFlashConfig(layers, block_size, (0, 1), cfg.vocab_size - 1)).eval().requires_grad_(False)
+    return DFlashDrafter(model, target.model.embed_tokens.weight, target.lm_head.weight, tree)
+
+
+def target_features(target, tokens: list[int], layer_ids) -> torch.Tensor:
+    """The target's hidden states after `layer_ids` for `tokens`, from one causal forward from scratch."""
+    n = len(tokens)
+    cache = KVCache(target.config, n, target.dtype, target.device)
+    _, hidden = target(torch.tensor(tokens), torch.arange(n), TreeAttention(cache, torch.ones(n, n).tril().bool()),
+                       hidden_layer_ids=layer_ids)
+    return torch.cat(hidden, dim=-1)

@@ -16,7 +16,7 @@ import torch
 from random_targets import ENGINE_FAMILIES, RandomTreeDrafter, random_target, word_tokenizer
 from treeserve.drafter import NgramDrafter
 from treeserve.models import KVCache, TreeAttention
-from treeserve.sampling import GenerationParams
+from treeserve.params import GenerationParams
 from treeserve.verifier import generate
 
 pytestmark = [pytest.mark.gpu,

@@ -49,7 +49,7 @@ async def draft_round(stream, round_, *items):
 
 
 def expected(context, budget):
-    tree = NgramDrafter().propose(context, budget)
+    tree = NgramDrafter().tree(context, budget)
     return tree.tokens, tree.parents
 
 

@@ -10,8 +10,8 @@ from random_targets import ENGINE_FAMILIES, RandomTreeDrafter, random_target, wo
 from treeserve.detokenize import TextStream
 from treeserve.drafter import NgramDrafter
 from treeserve.errors import TreeserveError
-from treeserve.sampling import GenerationParams
-from treeserve.tree import MAX_BUDGET, DraftTree
+from treeserve.params import GenerationParams
+from treeserve.tree import MAX_BUDGET, DraftTree, TokenDrafter
 from treeserve.verifier import Generation, generate
 
 VOCAB = 96
@@ -159,10 +159,10 @@ def test_tree_deeper_than_the_remaining_tokens_is_cut():
     (lambda root: DraftTree([root] + [1] * 5, [-1] + [0] * 5), "budget"),
 ])
 def test_a_malformed_tree_from_a_drafter_is_rejected(make_tree, message):
-    class BadDrafter:
+    class BadDrafter(TokenDrafter):
         name = "bad"
 
-        def propose(self, context, budget):
+        def tree(self, context, budget):
             return make_tree(context[-1])
 
     model = random_target("llama", vocab_size=VOCAB)
@@ -174,7 +174,7 @@ def test_a_malformed_tree_from_a_drafter_is_rejected(make_tree, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompt=[]), "empty"),
-    (dict(prompt=[VOCAB]), "prompt token ids"),
+    (dict(prompt=[VOCAB]), "outside the vocabulary"),
     (dict(budget=0), "budget"),
     (dict(budget=MAX_BUDGET + 1), "budget"),
     (dict(params=GenerationParams(temperature=-0.5)), "temperature"),
@@ -211,7 +211,7 @@ def test_requests_batched_into_one_forward_each_get_their_own_output():
             index = len(running) + len(finished)
             running[index] = start(index)
         plans = {i: g.plan(g.local_draft() if g.prefilled else None) for i, g in running.items()}
-        for (i, plan), logits in zip(plans.items(), forward_batch(model, list(plans.values()))):
+        for (i, plan), logits in zip(plans.items(), forward_batch(model, list(plans.values()))[0]):
             running[i].apply(plan, logits)
         for i in [i for i, g in running.items() if g.finished]:
             finished[i] = running.pop(i).result().token_ids

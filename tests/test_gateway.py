@@ -18,7 +18,7 @@ from treeserve.errors import TreeserveError
 from treeserve.gateway.client import add_client_arguments, generate_via_gateway, main_client
 from treeserve.detokenize import TextStream
 from treeserve.gateway.server import GatewayServicer, serve
-from treeserve.sampling import GenerationParams
+from treeserve.params import GenerationParams
 from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
 
 TEXT = "Hello 日本語 🙂 world"  # multi-byte characters that SmolLM2 splits over several tokens

@@ -26,7 +26,7 @@ def assert_valid(tree: DraftTree, context: list[int], budget: int) -> None:
 
 def test_continues_the_latest_longest_match():
     context = [1, 2, 3, 4, 9, 9, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
-    tree = NgramDrafter().propose(context, budget=3)
+    tree = NgramDrafter().tree(context, budget=3)
     assert_valid(tree, context, 3)
     # suffix [1, 2, 3] occurs twice; the latest occurrence continues 4, 5, 6
     assert tree.tokens == [3, 4, 5, 6] and tree.parents == [-1, 0, 1, 2]
@@ -34,7 +34,7 @@ def test_continues_the_latest_longest_match():
 
 def test_different_continuations_become_branches():
     context = [7, 1, 2, 8, 8, 1, 2, 5, 5, 1, 2]
-    tree = NgramDrafter().propose(context, budget=8)
+    tree = NgramDrafter().tree(context, budget=8)
     assert_valid(tree, context, 8)
     found = paths(tree)
     assert (5, 5, 1) in found and (8, 8, 1) in found
@@ -48,7 +48,7 @@ def test_budget_is_respected_and_tree_is_valid_on_random_contexts():
     for _ in range(200):
         context = [rng.randrange(6) for _ in range(rng.randint(1, 80))]
         budget = rng.randint(1, 64)
-        tree = drafter.propose(context, budget)
+        tree = drafter.tree(context, budget)
         assert_valid(tree, context, budget)
         # Every drafted path really followed an earlier occurrence of some suffix token.
         for path in paths(tree):
@@ -57,5 +57,5 @@ def test_budget_is_respected_and_tree_is_valid_on_random_contexts():
 
 
 def test_no_match_gives_the_root_alone():
-    assert NgramDrafter().propose([1, 2, 3, 4], budget=8).size == 1
-    assert NgramDrafter().propose([5], budget=8).size == 1
+    assert NgramDrafter().tree([1, 2, 3, 4], budget=8).size == 1
+    assert NgramDrafter().tree([5], budget=8).size == 1

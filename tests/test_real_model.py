@@ -11,7 +11,7 @@ import pytest
 
 from treeserve.drafter import NgramDrafter
 from treeserve.loading import embedded_path
-from treeserve.sampling import GenerationParams
+from treeserve.params import GenerationParams
 from treeserve.verifier import generate
 
 pytestmark = pytest.mark.real_model

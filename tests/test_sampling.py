@@ -12,7 +12,8 @@ import torch
 
 from random_targets import RandomTreeDrafter, random_target, word_tokenizer
 from treeserve.models import KVCache, TreeAttention
-from treeserve.sampling import GenerationParams, counter_uniforms, target_probs
+from treeserve.params import GenerationParams
+from treeserve.sampling import counter_uniforms, target_probs
 from treeserve.verifier import engine, generate
 from treeserve.verifier.acceptance import walk_tree
 

@@ -14,7 +14,7 @@ from treeserve import serving
 from treeserve.drafter import NgramDrafter
 from treeserve.drafter.server import DrafterServicer
 from treeserve.loading import LoadedModel
-from treeserve.sampling import GenerationParams
+from treeserve.params import GenerationParams
 from treeserve.v1 import generation_pb2, verifier_pb2, verifier_pb2_grpc
 from treeserve.verifier import generate
 from treeserve.verifier.drafter_link import DrafterLink
@@ -31,16 +31,11 @@ def target():
 async def start_verifier(tmp_path, target, drafter_addresses, timeout_s=1.0, max_batch=8):
     links = [DrafterLink(address, timeout_s) for address in drafter_addresses]
     servicer = VerifierServicer("tiny", links, default_budget=8, default_max_new_tokens=16, max_batch=max_batch)
-
-    def register(server):
-        verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server)
-        return ["treeserve.v1.VerifierService"]
-
-    service = await serving.start(f"unix://{tmp_path}/verifier.sock", register)
+    service = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
     scheduler = servicer.attach(target)
     task = asyncio.ensure_future(scheduler.run())
     for link in links:
-        await link.connect()
+        await scheduler.connect(link)
     return service, scheduler, task
 
 
@@ -148,7 +143,7 @@ def test_cancelling_a_request_frees_it_and_others_finish(tmp_path, target):
 
 @pytest.mark.parametrize("message, text", [
     (request([], 8), "empty"),
-    (request([1, VOCAB + 5], 8), "prompt token ids"),
+    (request([1, VOCAB + 5], 8), "outside the vocabulary"),
     (verifier_pb2.VerifierServiceGenerateRequest(prompt_token_ids=[1], sampling=generation_pb2.SamplingParams(
         temperature=-1)), "temperature"),
     (request([1], 8, budget=1000), "budget"),

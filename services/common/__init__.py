@@ -15,7 +15,7 @@ import importlib
 
 _EXPORTS = {
     "load_target": "treeserve.loading",
-    "GenerationParams": "treeserve.sampling",
+    "GenerationParams": "treeserve.params",
     "generate": "treeserve.verifier.engine",
     "Generation": "treeserve.verifier.engine",
     "GenerationResult": "treeserve.verifier.engine",

@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 from treeserve.errors import TreeserveError
-from treeserve.sampling import GenerationParams
+from treeserve.params import GenerationParams
 from treeserve.tree import MAX_BUDGET
 
-DRAFTERS = ("none", "ngram")
+DRAFTERS = ("none", "ngram", "dflash")
+TREES = ("chain", "ddtree")
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -48,7 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="model name (smollm2-135m), Hugging Face model folder, or .gguf file "
                           "(default smollm2-135m)")
     gen.add_argument("--drafter", choices=DRAFTERS, default="ngram",
-                     help="none: plain autoregressive decoding; ngram: prompt-lookup trees (default)")
+                     help="none: plain autoregressive decoding; ngram: prompt-lookup trees (default); dflash: "
+                          "the DFlash block drafter at --drafter-path")
+    gen.add_argument("--drafter-path", help="a DFlash drafter checkpoint folder (config.json + model.safetensors)")
+    gen.add_argument("--tree", choices=TREES, default="ddtree",
+                     help="how a DFlash drafter builds trees: chain (its argmax path) or ddtree (the best tree "
+                          "for the budget; default)")
     gen.add_argument("--budget", type=int, default=16,
                      help=f"drafted tree nodes per round, 1 to {MAX_BUDGET} (default 16)")
     gen.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="default cpu")
@@ -67,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "folder), wait until they serve, print the gateway address; Ctrl-C stops all.")
     up.add_argument("--target", default="smollm2-135m", help="model name, HF folder or .gguf (default smollm2-135m)")
     up.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="default ngram; none: plain decoding")
+    up.add_argument("--drafter-path", help="--drafter dflash: the DFlash checkpoint folder")
+    up.add_argument("--tree", choices=TREES, default="ddtree", help="--drafter dflash: chain or ddtree (default)")
     up.add_argument("--budget", type=int, default=16, help=f"default tree budget, 1 to {MAX_BUDGET} (default 16)")
     up.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     up.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -74,7 +82,67 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--start-timeout-s", type=float, default=600, help="how long to wait for the services")
     up.add_argument("--grace-s", type=float, default=10, help="drain period on stop (default 10)")
     up.add_argument("--demo-prompt", help="once serving, stream one request with this prompt")
+
+    health = commands.add_parser("health", help="ask a service whether it is serving (the container healthcheck)",
+                                 description="Ask the service at ADDRESS for its grpc.health.v1 status and print "
+                                             "it; exit 0 if SERVING, 1 otherwise.")
+    health.add_argument("address", help="unix:///path/to.sock or host:port")
+    health.add_argument("--timeout-s", type=float, default=5.0, help="how long to wait for the answer (default 5)")
+
+    add_drafter_training_commands(commands)
     return parser
+
+
+def add_drafter_training_commands(commands) -> None:
+    """train-drafter and make-prompts. Their arguments live here: building the parser (for every command, the
+    container healthcheck included) must not import torch, which the training module needs."""
+    train = commands.add_parser(
+        "train-drafter", help="train a DFlash drafter for a target on its own responses",
+        description="Regenerate responses to the --data prompts with the target (kept in OUT), then train a DFlash "
+                    "drafter on them; resumes from OUT/trainer-state.pt; writes a z-lab checkpoint to OUT.")
+    train.add_argument("--target", default="smollm2-135m", help="model name, HF folder or .gguf (default smollm2-135m)")
+    train.add_argument("--out", required=True, type=Path, help="output folder (checkpoint, data, training.json)")
+    train.add_argument("--data", required=True, type=Path,
+                       help='training prompts, JSONL of {"prompt": ..., "chat": true|false} (see make-prompts)')
+    train.add_argument("--eval-data", type=Path, help="held-out prompts (default: the last --held-out of --data)")
+    train.add_argument("--held-out", type=int, default=64, help="held-out sequences (default 64)")
+    train.add_argument("--max-new-tokens", type=int, default=256, help="response cap when regenerating (256)")
+    train.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature (default 0: greedy)")
+    train.add_argument("--gen-batch", type=int, default=64, help="requests regenerated at once (default 64)")
+    train.add_argument("--block-size", type=int, default=16, help="root + drafted positions (default 16)")
+    train.add_argument("--layers", type=int, default=1, help="draft decoder layers (default 1)")
+    train.add_argument("--intermediate-size", type=int, help="draft MLP width (default: the target's)")
+    train.add_argument("--target-layers", type=int, default=3, help="target layers feeding the context (default 3)")
+    train.add_argument("--target-layer-ids", help="explicit 0-based target layer ids, comma-separated")
+    train.add_argument("--init-from-target", action="store_true",
+                       help="start the draft layers from the target's last layers where shapes match")
+    train.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
+    train.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
+    train.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step (default 16)")
+    train.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate (default 6e-4)")
+    train.add_argument("--warmup", type=int, help="warm-up steps (default 5%% of --steps)")
+    train.add_argument("--loss-decay", type=float, default=7.0, metavar="GAMMA",
+                       help="weight exp(-(k-1)/GAMMA) on block position k (default 7; <= 0: uniform)")
+    train.add_argument("--log-every", type=int, default=10, help="progress line every N steps (default 10)")
+    train.add_argument("--eval-every", type=int, default=250, help="held-out evaluation every N steps (250)")
+    train.add_argument("--save-every", type=int, default=500, help="resumable checkpoint every N steps (500)")
+    train.add_argument("--seed", type=int, default=0, help="data order, anchors and init (default 0)")
+    train.add_argument("--device", choices=("cpu", "cuda"), help="default cuda when available (bf16), else cpu")
+    train.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                       help="dtype of the saved drafter weights (default bfloat16)")
+
+    prompts = commands.add_parser(
+        "make-prompts", help="build a training prompts file from code and docs in folders",
+        description="Cut functions, classes and runs of lines out of .py/.md/.rst/.txt files under the --from "
+                    "folders and write them as chat prompts (JSONL), deterministically for a seed.")
+    prompts.add_argument("--from", dest="roots", action="append", required=True, type=Path, metavar="DIR",
+                         help="folder to take code and docs from (repeatable)")
+    prompts.add_argument("--out", required=True, type=Path, help="the prompts file to write (JSONL)")
+    prompts.add_argument("--limit", type=int, default=10000, help="prompts at most (default 10000)")
+    prompts.add_argument("--seed", type=int, default=0, help="which snippets and their order (default 0)")
+    prompts.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                         help="skip paths (relative to --from) or folder/file names matching GLOB (repeatable)")
+    prompts.add_argument("--per-file", type=int, default=8, help="prompts per file at most (default 8)")
 
 
 def generation_params(args) -> GenerationParams:
@@ -98,12 +166,19 @@ def read_prompt(args) -> str:
     return text
 
 
-def make_drafter(name: str):
-    if name == "none":
+def make_drafter(args, target_model):
+    """The drafter `generate` asked for, loaded for the target (None for plain decoding)."""
+    if args.drafter == "none":
         return None
-    from treeserve.drafter import NgramDrafter
+    if args.drafter == "ngram":
+        from treeserve.drafter import NgramDrafter
 
-    return NgramDrafter()
+        return NgramDrafter()
+    if not args.drafter_path:
+        raise TreeserveError("--drafter dflash needs --drafter-path DIR (a DFlash checkpoint for this target)")
+    from treeserve.drafter.dflash import DFlashDrafter
+
+    return DFlashDrafter.for_target(args.drafter_path, target_model, args.tree)
 
 
 def stream_text(generation) -> None:
@@ -122,12 +197,12 @@ def run_generate(args) -> int:
         raise TreeserveError(f"--budget must be between 1 and {MAX_BUDGET}, got {args.budget}")
     params = generation_params(args)
     prompt = read_prompt(args)
-    drafter = make_drafter(args.drafter)
 
     from treeserve.loading import load_target
     from treeserve.verifier import Generation
 
     target = load_target(args.target, device=args.device, dtype=args.dtype)
+    drafter = make_drafter(args, target.model)
     tokenizer = target.tokenizer
     prompt_ids = tokenizer.encode_chat(prompt) if args.chat else tokenizer.encode(prompt)
     generation = Generation(target.model, tokenizer, prompt_ids, params, drafter, args.budget)
@@ -143,7 +218,7 @@ def run_generate(args) -> int:
         "mean_accepted": round(result.mean_accepted, 4), "tokens_per_s": round(result.tokens_per_s, 3),
         "prefill_s": round(result.prefill_s, 4), "elapsed_s": round(result.elapsed_s, 4),
         "seed": result.seed, "target": args.target, "drafter": args.drafter,
-        "budget": args.budget if drafter else 0,
+        "budget": args.budget if drafter else 0, **({"tree": args.tree} if args.drafter == "dflash" else {}),
     }
     print_result(summary, args.json)
     return 0
@@ -169,15 +244,41 @@ def run_client(args) -> int:
 def run_up_command(args) -> int:
     if not 1 <= args.budget <= MAX_BUDGET:
         raise TreeserveError(f"--budget must be between 1 and {MAX_BUDGET}, got {args.budget}")
+    if args.drafter == "dflash" and not args.drafter_path:
+        raise TreeserveError("--drafter dflash needs --drafter-path DIR")
     from treeserve.launcher import run_up
 
     return run_up(args)
 
 
+def run_health(args) -> int:
+    from treeserve.launcher import health_status
+
+    status = health_status(args.address, args.timeout_s)
+    if status != "SERVING":
+        raise TreeserveError(f"{args.address} is {status}")
+    print(status)
+    return 0
+
+
+def run_train_drafter(args) -> int:
+    from treeserve.drafter.training import run
+
+    return run(args)
+
+
+def run_make_prompts(args) -> int:
+    from treeserve.drafter.corpus import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    commands = {"generate": run_generate, "client": run_client, "up": run_up_command, "health": run_health,
+                "train-drafter": run_train_drafter, "make-prompts": run_make_prompts}
     try:
-        return {"generate": run_generate, "client": run_client, "up": run_up_command}[args.command](args)
+        return commands[args.command](args)
     except TreeserveError as error:
         print(f"treeserve {args.command}: error: {error}", file=sys.stderr)
         return 1

@@ -17,15 +17,25 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from treeserve.errors import TreeserveError
+from treeserve.serving import normalize_address
+
+
+def health_status(address: str, timeout_s: float = 1.0) -> str:
+    """The grpc.health.v1 status (SERVING, NOT_SERVING, ...) of the server at `address`, for the server as a
+    whole (service ""); raises TreeserveError when it does not answer within `timeout_s`."""
+    with grpc.insecure_channel(normalize_address(address)) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError as error:
+            raise TreeserveError(f"no answer from {address}: {error.code().name}: {error.details()}") from None
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 def is_serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    try:
+        return health_status(address) == "SERVING"
+    except TreeserveError:
+        return False
 
 
 def log_tail(path: Path, lines: int = 15) -> str:
@@ -87,7 +97,11 @@ def run_up(args) -> int:
         verifier_args = ["--target", args.target, "--device", args.device, "--dtype", args.dtype,
                          "--default-budget", str(args.budget), "--grace-s", str(args.grace_s)]
         if args.drafter != "none":
-            verifier_args += ["--drafter", stack.start("drafter", ["--grace-s", str(args.grace_s)])]
+            drafter_args = ["--kind", args.drafter, "--grace-s", str(args.grace_s)]
+            if args.drafter == "dflash":
+                drafter_args += ["--drafter-path", args.drafter_path, "--tree", args.tree, "--target", args.target,
+                                 "--device", args.device, "--dtype", args.dtype]
+            verifier_args += ["--drafter", stack.start("drafter", drafter_args)]
         verifier = stack.start("verifier", verifier_args)
         gateway = stack.start("gateway", ["--target", args.target, "--verifier", verifier,
                                           "--grace-s", str(args.grace_s)])

@@ -28,6 +28,13 @@ log = logging.getLogger("treeserve")
 MESSAGE_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
+def client_options(max_reconnect_backoff_s: float = 5.0) -> list[tuple[str, int]]:
+    """Options for a channel to a peer service. gRPC's own reconnect backoff grows to minutes; capping it means
+    a peer that comes back is found within seconds."""
+    return MESSAGE_OPTIONS + [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                              ("grpc.max_reconnect_backoff_ms", int(max_reconnect_backoff_s * 1000))]
+
+
 def default_address(service: str) -> str:
     """Where a service listens unless told otherwise: a Unix socket in the runtime (or temp) directory."""
     runtime = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()

@@ -77,10 +77,57 @@ class DraftTree:
 MAX_BUDGET = 128
 
 
+class DraftContext(Protocol):
+    """What a drafter keeps for one request: at least the prompt and output so far (the last token is the
+    root of the next tree)."""
+
+    tokens: list[int]
+
+
 class Drafter(Protocol):
-    """Proposes a tree rooted at the last token of `context` (the prompt plus everything generated so far),
-    with at most `budget` drafted nodes below the root."""
+    """Proposes trees for a batch of requests, each rooted at the last token of its context.
+
+    A drafter that conditions on the target (DFlash) names the target layers whose outputs it needs in
+    `feature_layer_ids`; it then gets, with each request's newly committed tokens, the target's hidden states
+    (concatenated over those layers) for every token that entered the target's KV cache since the last call:
+    all committed tokens but the last, which is the root of the next tree.
+    """
 
     name: str
+    feature_layer_ids: tuple[int, ...]  # empty: the drafter needs only tokens
+    feature_size: int  # columns of the features: len(feature_layer_ids) * the target's hidden size
 
-    def propose(self, context: list[int], budget: int) -> DraftTree: ...
+    def new_context(self) -> DraftContext: ...
+
+    def extend(self, context: DraftContext, tokens: list[int], features=None) -> None: ...
+
+    def propose(self, contexts: list[DraftContext], budgets: list[int]) -> list[DraftTree]:
+        """One tree per context, with at most budgets[i] drafted nodes below its root."""
+        ...
+
+
+class TokenContext:
+    def __init__(self):
+        self.tokens: list[int] = []
+
+
+class TokenDrafter:
+    """Base for drafters that need only the tokens so far: subclasses implement `tree(tokens, budget)`."""
+
+    name = "tokens"
+    feature_layer_ids: tuple[int, ...] = ()
+    feature_size = 0
+
+    def new_context(self) -> TokenContext:
+        return TokenContext()
+
+    def extend(self, context: TokenContext, tokens: list[int], features=None) -> None:
+        if features is not None:
+            raise TreeserveError(f"the {self.name} drafter takes no target features")
+        context.tokens.extend(tokens)
+
+    def propose(self, contexts: list[TokenContext], budgets: list[int]) -> list[DraftTree]:
+        return [self.tree(context.tokens, budget) for context, budget in zip(contexts, budgets)]
+
+    def tree(self, tokens: list[int], budget: int) -> DraftTree:
+        raise NotImplementedError

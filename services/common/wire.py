@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from treeserve.sampling import GenerationParams
-from treeserve.v1 import generation_pb2
+from treeserve.errors import TreeserveError
+from treeserve.params import GenerationParams
+from treeserve.v1 import drafter_pb2, generation_pb2
+
+FEATURE_DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 
 
 def params_from_proto(sampling: generation_pb2.SamplingParams, stop: generation_pb2.StopConditions,
@@ -32,3 +35,28 @@ def params_to_proto(params: GenerationParams) -> tuple[generation_pb2.SamplingPa
 
 
 FINISH_REASONS = {"stop": generation_pb2.FINISH_REASON_STOP, "length": generation_pb2.FINISH_REASON_LENGTH}
+
+
+def features_to_proto(features) -> drafter_pb2.Features:
+    """(tokens, width) hidden states (a torch tensor) as raw little-endian bytes plus their shape and dtype."""
+    import torch  # here, not at the top: the gateway and clients use this module without torch
+
+    name = str(features.dtype).removeprefix("torch.")
+    if name not in FEATURE_DTYPES:
+        raise TreeserveError(f"features of dtype {features.dtype} cannot be sent")
+    data = features.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+    return drafter_pb2.Features(data=data, shape=list(features.shape), dtype=name)
+
+
+def features_from_proto(message: drafter_pb2.Features):
+    import torch
+
+    if message.dtype not in FEATURE_DTYPES:
+        raise TreeserveError(f"features of unknown dtype {message.dtype!r} (use {', '.join(FEATURE_DTYPES)})")
+    dtype = getattr(torch, message.dtype)
+    shape = tuple(message.shape)
+    if len(shape) != 2 or shape[0] * shape[1] * dtype.itemsize != len(message.data):
+        raise TreeserveError(f"features: {len(message.data)} bytes do not hold shape {shape} of {message.dtype}")
+    if not message.data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(message.data), dtype=dtype).view(shape)

@@ -7,11 +7,12 @@ a flag on the command line wins.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import logging
 import sys
 
-from treeserve import serving
+from treeserve import serving, telemetry
 from treeserve.cli import OneLineErrorParser
 from treeserve.drafter.ngram import NgramDrafter
 from treeserve.drafter.server import DrafterServicer
@@ -19,7 +20,8 @@ from treeserve.errors import TreeserveError
 from treeserve.tree import MAX_BUDGET
 
 PROG = "python -m treeserve.drafter"
-KINDS = ("ngram",)
+KINDS = ("ngram", "dflash")
+TREES = ("chain", "ddtree")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 log = logging.getLogger("treeserve.drafter")
@@ -46,11 +48,22 @@ def build_parser() -> argparse.ArgumentParser:
                                 "TREESERVE_DRAFTER_LISTEN.")
     parser.add_argument("--listen", default=env("listen", serving.default_address("drafter")),
                         help="unix:///path/to.sock or host:port (default %(default)s)")
-    parser.add_argument("--kind", default=env("kind", "ngram"), help="ngram: prompt-lookup trees (the only kind)")
+    parser.add_argument("--kind", default=env("kind", "ngram"),
+                        help="ngram: prompt-lookup trees (default); dflash: the DFlash block drafter at --drafter-path")
+    parser.add_argument("--drafter-path", default=env("drafter-path"), help="dflash: the checkpoint folder")
+    parser.add_argument("--target", default=env("target", "smollm2-135m"),
+                        help="dflash: the verifier's model (name, HF folder or .gguf), whose embedding and LM head "
+                             "the drafter uses (default %(default)s)")
+    parser.add_argument("--tree", default=env("tree", "ddtree"),
+                        help="dflash: chain (the argmax path) or ddtree (the best tree for the budget; default)")
+    parser.add_argument("--device", default=env("device", "cpu"), help="dflash: cpu or cuda (default cpu)")
+    parser.add_argument("--dtype", default=env("dtype", "float32"), help="dflash: float32 (default) or bfloat16")
     parser.add_argument("--max-budget", type=number(int, 1), default=env("max-budget", MAX_BUDGET),
                         help="largest tree a request may ask for, in drafted nodes (default %(default)s)")
     parser.add_argument("--grace-s", type=number(float, 0), default=env("grace-s", 10.0),
                         help="on SIGTERM, seconds open streams get to finish (default %(default)s)")
+    parser.add_argument("--metrics-listen", default=env("metrics-listen", ""), metavar="HOST:PORT",
+                        help="serve Prometheus metrics over HTTP here (default: off)")
     parser.add_argument("--log-level", type=str.upper, default=env("log-level", "INFO"),
                         help=f"one of {', '.join(LOG_LEVELS)} (default %(default)s)")
     return parser
@@ -60,21 +73,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     # argparse checks `choices` on the command line only, so values from the environment are checked here.
-    for flag, value, allowed in (("--kind", args.kind, KINDS), ("--log-level", args.log_level, LOG_LEVELS)):
+    for flag, value, allowed in (("--kind", args.kind, KINDS), ("--log-level", args.log_level, LOG_LEVELS),
+                                 ("--tree", args.tree, TREES), ("--device", args.device, ("cpu", "cuda")),
+                                 ("--dtype", args.dtype, ("float32", "bfloat16"))):
         if value not in allowed:
             parser.error(f"argument {flag}: invalid choice {value!r} (choose from {', '.join(allowed)})")
+    if args.kind == "dflash" and not args.drafter_path:
+        parser.error("--kind dflash needs --drafter-path DIR")
     return args
 
 
+def load_drafter(args: argparse.Namespace):
+    if args.kind == "ngram":
+        return NgramDrafter()
+    from treeserve.drafter.dflash import DFlashDrafter
+    from treeserve.loading import load_target
+
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    return DFlashDrafter.for_target(args.drafter_path, target.model, args.tree)
+
+
 async def serve(args: argparse.Namespace) -> None:
-    servicer = DrafterServicer(NgramDrafter(), max_budget=args.max_budget)
-    try:
-        service = await serving.start(args.listen, servicer.register)
-    except (OSError, RuntimeError) as error:  # gRPC raises RuntimeError when it cannot bind
-        raise TreeserveError(f"cannot listen on {args.listen}: {error}") from None
+    tracing = telemetry.tracing_from_env("drafter")
+    metrics = telemetry.DrafterMetrics()
+    if args.metrics_listen:
+        telemetry.serve_metrics(args.metrics_listen, metrics.registry)
+    servicer = DrafterServicer(None, args.max_budget, tracing, metrics)
+    service = await serving.start(args.listen, servicer.register)
+    log.info("drafter %s listening on %s; loading", args.kind, service.address)
+    servicer.attach(await asyncio.to_thread(load_drafter, args))
     await service.set_serving(True)
-    log.info("drafter %s (max budget %d) listening on %s", args.kind, args.max_budget, service.address)
+    log.info("drafter %s (max budget %d) serving on %s", args.kind, args.max_budget, service.address)
     await serving.run_until_signalled(service, args.grace_s)
+    tracing.shutdown()
     log.info("drafter stopped")
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from treeserve.tree import DraftTree
+from treeserve.tree import DraftTree, TokenDrafter
 
 
-class NgramDrafter:
+class NgramDrafter(TokenDrafter):
     name = "ngram"
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_continuations: int = 16):
@@ -32,7 +32,8 @@ class NgramDrafter:
                         return found
         return found
 
-    def propose(self, context: list[int], budget: int) -> DraftTree:
+    def tree(self, context: list[int], budget: int) -> DraftTree:
+        """The tree for one context: continuations merged into a trie of at most `budget` drafted nodes."""
         tokens, parents = [context[-1]], [-1]
         node_of: dict[tuple[int, int], int] = {}  # (parent node, token) -> node: shared prefixes merge
         for continuation in self.continuations(context, budget):

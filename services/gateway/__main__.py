@@ -31,6 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--default-max-new-tokens", type=int, default=env("default_max_new_tokens", "64"),
                    help="for requests that leave max_new_tokens unset (default 64)")
     p.add_argument("--grace-s", type=float, default=env("grace_s", "10"), help="drain period on SIGTERM (default 10)")
+    p.add_argument("--metrics-listen", default=env("metrics_listen", ""), metavar="HOST:PORT",
+                   help="serve Prometheus metrics over HTTP here (default: off)")
     p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=env("log_level", "INFO"))
     args = p.parse_args(argv)
     if args.verifier is None:
@@ -50,16 +52,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def serve(args, tokenizer) -> None:
+    from treeserve import telemetry
     from treeserve.gateway.server import GatewayServicer, serve as start_gateway
     from treeserve.serving import run_until_signalled
 
-    servicer = GatewayServicer(tokenizer, args.verifier, args.max_inflight, args.default_max_new_tokens)
+    tracing = telemetry.tracing_from_env("gateway")
+    metrics = telemetry.GatewayMetrics()
+    if args.metrics_listen:
+        telemetry.serve_metrics(args.metrics_listen, metrics.registry)
+    servicer = GatewayServicer(tokenizer, args.verifier, args.max_inflight, args.default_max_new_tokens, tracing,
+                               metrics)
     service, ready = await start_gateway(args.listen, servicer)
     log.info("gateway listening on %s; verifiers: %s", service.address, ", ".join(args.verifier))
 
     async def stop():
         ready.cancel()
         await servicer.close()
+        tracing.shutdown()
 
     await run_until_signalled(service, args.grace_s, stop)
 

@@ -10,7 +10,7 @@ import time
 import grpc
 
 from treeserve.errors import TreeserveError
-from treeserve.sampling import GenerationParams
+from treeserve.params import GenerationParams
 from treeserve.serving import default_address, normalize_address
 from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 from treeserve.wire import FINISH_REASONS, params_to_proto

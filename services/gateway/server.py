@@ -14,10 +14,12 @@ import time
 import uuid
 
 import grpc
+from opentelemetry import trace
 
 from treeserve.detokenize import TextStream
 from treeserve.errors import TreeserveError
-from treeserve.serving import MESSAGE_OPTIONS, Service, normalize_address, start
+from treeserve.serving import Service, client_options, normalize_address, start
+from treeserve.telemetry import GatewayMetrics, Tracing
 from treeserve.tokenizer import Tokenizer
 from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
 from treeserve.wire import params_from_proto, params_to_proto
@@ -36,7 +38,7 @@ class Verifier:
 
     def __init__(self, address: str):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(normalize_address(address), options=MESSAGE_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(normalize_address(address), options=client_options())
         self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
         self.info: verifier_pb2.VerifierServiceGetInfoResponse | None = None
         self.inflight = 0
@@ -57,10 +59,13 @@ class Verifier:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, tokenizer: Tokenizer, verifiers: list[str], max_inflight: int = 256,
-                 default_max_new_tokens: int = 64):
+                 default_max_new_tokens: int = 64, tracing: Tracing | None = None,
+                 metrics: GatewayMetrics | None = None):
         if not verifiers:
             raise TreeserveError("the gateway needs at least one verifier address")
         self.tokenizer = tokenizer
+        self.tracing = tracing or Tracing.off()
+        self.metrics = metrics or GatewayMetrics()
         self.verifiers = [Verifier(address) for address in verifiers]
         self.max_inflight, self.default_max_new_tokens = max_inflight, default_max_new_tokens
         self.inflight = 0
@@ -129,30 +134,61 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return sorted(self.verifiers, key=lambda v: (v.failed, v.inflight, v.last_pick))
 
     async def Generate(self, request, context):
+        """Counts and traces the request around `_generate`, which does the work."""
+        span = self.tracing.tracer.start_span("gateway.generate", kind=trace.SpanKind.SERVER,
+                                              context=self.tracing.parent(context.invocation_metadata() or ()))
+        outcome = "OK"
+        try:
+            async for response in self._generate(request, context, span):
+                yield response
+        except asyncio.CancelledError:  # the client cancelled, left or ran out of time
+            outcome = "CANCELLED"
+            raise
+        except BaseException:
+            outcome = context.code().name if context.code() is not None else "UNKNOWN"
+            raise
+        finally:
+            self.metrics.requests.labels(code=outcome).inc()
+            span.set_attribute("rpc.grpc.status_code", outcome)
+            span.end()
+
+    async def _generate(self, request, context, span: trace.Span):
         if self.inflight >= self.max_inflight:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the gateway is at its limit of {self.max_inflight} requests in flight; retry later")
         self.inflight += 1
+        self.metrics.inflight.inc()
         try:
-            verifier_request, stream = await self._prepare(request, context)
             started = time.perf_counter()
+            verifier_request, stream = await self._prepare(request, context)
+            span.set_attributes({"treeserve.request_id": verifier_request.request_id,
+                                 "treeserve.prompt_tokens": len(verifier_request.prompt_token_ids)})
+            trace_metadata = tuple(self.tracing.carrier(span).items())
             candidates = self._ranked()
             for attempt, verifier in enumerate(candidates):
                 verifier.inflight += 1
                 verifier.last_pick = next(self.picks)
-                call = verifier.stub.Generate(verifier_request, timeout=context.time_remaining())
+                call = verifier.stub.Generate(verifier_request, timeout=context.time_remaining(),
+                                              metadata=trace_metadata)
                 replies, final = 0, None
                 try:
                     async for reply in call:
+                        if replies == 0:
+                            self.metrics.time_to_first_token.observe(time.perf_counter() - started)
                         replies += 1
                         final = reply if reply.finish_reason else None
+                        self.metrics.output_tokens.inc(len(reply.token_ids))
                         yield self._response(reply, stream)
                     verifier.failed = False
                     if final is not None:
+                        elapsed = time.perf_counter() - started
+                        self.metrics.request_seconds.observe(elapsed)
+                        span.set_attributes({"treeserve.verifier": verifier.address,
+                                             "treeserve.completion_tokens": final.usage.completion_tokens,
+                                             "treeserve.mean_accepted": final.stats.mean_accepted})
                         log.info("request %s: %d prompt + %d tokens on %s in %.2f s, %s",
                                  verifier_request.request_id, final.usage.prompt_tokens, final.usage.completion_tokens,
-                                 verifier.address, time.perf_counter() - started,
-                                 generation_pb2.FinishReason.Name(final.finish_reason))
+                                 verifier.address, elapsed, generation_pb2.FinishReason.Name(final.finish_reason))
                         return
                     status = (grpc.StatusCode.UNAVAILABLE,
                               f"verifier {verifier.address} ended the stream without a final message")
@@ -178,6 +214,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 await context.abort(*status)
         finally:
             self.inflight -= 1
+            self.metrics.inflight.dec()
 
     @staticmethod
     def _response(reply: verifier_pb2.VerifierServiceGenerateResponse, stream: TextStream):

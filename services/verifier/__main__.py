@@ -16,23 +16,28 @@ log = logging.getLogger("treeserve.verifier")
 
 def parse_args(argv=None) -> argparse.Namespace:
     from treeserve import serving
+    from treeserve.cli import OneLineErrorParser
 
     env = functools.partial(serving.env_default, "verifier")
-    p = argparse.ArgumentParser(prog="python -m treeserve.verifier", description=__doc__,
-                                epilog="Every flag can also come from TREESERVE_VERIFIER_<FLAG> (drafters comma-separated).")
+    p = OneLineErrorParser(prog="python -m treeserve.verifier", description=__doc__,
+                           epilog="Every flag can also come from TREESERVE_VERIFIER_<FLAG> (drafters comma-separated).")
     p.add_argument("--target", default=env("target", "smollm2-135m"), help="model name, HF folder or .gguf")
     p.add_argument("--device", default=env("device", "cpu"), choices=("cpu", "cuda"))
     p.add_argument("--dtype", default=env("dtype", "float32"), choices=("float32", "bfloat16"))
     p.add_argument("--listen", default=env("listen", serving.default_address("verifier")))
     p.add_argument("--drafter", action="append", default=None, metavar="ADDRESS",
-                   help="a drafter to use (repeatable); none: plain decoding only")
-    p.add_argument("--default-budget", type=int, default=int(env("default_budget", 16)))
-    p.add_argument("--default-max-new-tokens", type=int, default=int(env("default_max_new_tokens", 64)))
-    p.add_argument("--max-batch", type=int, default=int(env("max_batch", 64)), help="requests per round at most")
-    p.add_argument("--draft-timeout-s", type=float, default=float(env("draft_timeout_s", 2.0)),
+                   help="a drafter to use (repeatable); dns:///name:port means every address the name resolves "
+                        "to (replicas); none given: plain decoding only")
+    p.add_argument("--default-budget", type=int, default=env("default_budget", "16"))
+    p.add_argument("--default-max-new-tokens", type=int, default=env("default_max_new_tokens", "64"))
+    p.add_argument("--max-batch", type=int, default=env("max_batch", "64"), help="requests per round at most")
+    p.add_argument("--draft-timeout-s", type=float, default=env("draft_timeout_s", "2.0"),
                    help="a drafter slower than this is treated as down for the round")
-    p.add_argument("--grace-s", type=float, default=float(env("grace_s", 10.0)), help="drain period on SIGTERM")
-    p.add_argument("--log-level", default=env("log_level", "INFO"))
+    p.add_argument("--grace-s", type=float, default=env("grace_s", "10"), help="drain period on SIGTERM")
+    p.add_argument("--metrics-listen", default=env("metrics_listen", ""), metavar="HOST:PORT",
+                   help="serve Prometheus metrics over HTTP here (default: off)")
+    p.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   default=env("log_level", "INFO"))
     args = p.parse_args(argv)
     if args.drafter is None:
         args.drafter = [a for a in env("drafter", "").split(",") if a]
@@ -44,33 +49,34 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def serve(args) -> None:
-    from treeserve import serving
+    from treeserve import serving, telemetry
     from treeserve.loading import load_target
-    from treeserve.v1 import verifier_pb2, verifier_pb2_grpc
-    from treeserve.verifier.drafter_link import DrafterLink
+    from treeserve.verifier.drafter_link import DrafterLink, expand_drafter_addresses
     from treeserve.verifier.server import VerifierServicer
 
-    links = [DrafterLink(serving.normalize_address(a), args.draft_timeout_s) for a in args.drafter]
-    servicer = VerifierServicer(args.target, links, args.default_budget, args.default_max_new_tokens, args.max_batch)
-
-    def register(server):
-        verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server)
-        return [verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name]
-
-    service = await serving.start(args.listen, register)
+    tracing = telemetry.tracing_from_env("verifier")
+    metrics = telemetry.VerifierMetrics()
+    if args.metrics_listen:
+        telemetry.serve_metrics(args.metrics_listen, metrics.registry)
+    links = [DrafterLink(address, args.draft_timeout_s) for address in expand_drafter_addresses(args.drafter)]
+    servicer = VerifierServicer(args.target, links, args.default_budget, args.default_max_new_tokens, args.max_batch,
+                                tracing, metrics)
+    service = await serving.start(args.listen, servicer.register)
     log.info("verifier listening on %s; loading %s", service.address, args.target)
     target = await asyncio.to_thread(load_target, args.target, args.device, args.dtype)
     scheduler = servicer.attach(target)
     scheduler_task = asyncio.ensure_future(scheduler.run())
     for link in links:
-        await link.connect()
+        await scheduler.connect(link)
     await service.set_serving(True)
-    log.info("verifier ready: %s on %s, drafters: %s", args.target, args.device, ", ".join(args.drafter) or "none")
+    log.info("verifier ready: %s on %s, drafters: %s", args.target, args.device,
+             ", ".join(link.address for link in links) or "none")
 
     async def stop():
         scheduler_task.cancel()
         for link in links:
             await link.close()
+        tracing.shutdown()
 
     await serving.run_until_signalled(service, args.grace_s, stop)
 

@@ -15,7 +15,8 @@ import torch
 
 from treeserve.errors import TreeserveError
 from treeserve.models import BatchAttention, DecoderLM, KVCache, TreeAttention
-from treeserve.sampling import GenerationParams, choose_tokens, random_seed
+from treeserve.params import GenerationParams
+from treeserve.sampling import choose_tokens, random_seed
 from treeserve.tokenizer import Tokenizer
 from treeserve.tree import MAX_BUDGET, DraftTree, Drafter
 from treeserve.verifier.acceptance import walk_tree
@@ -57,8 +58,11 @@ class ForwardPlan:
 
 
 @torch.inference_mode()
-def forward_batch(model: DecoderLM, plans: list[ForwardPlan]) -> list[torch.Tensor]:
-    """One target forward for several requests packed together; returns each plan's logits rows."""
+def forward_batch(model: DecoderLM, plans: list[ForwardPlan], feature_layer_ids: tuple[int, ...] = ()
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """One target forward for several requests packed together. Returns each plan's logits rows and, when
+    `feature_layer_ids` is given, its tokens' hidden states after those layers, concatenated per token
+    (N, len(ids) * hidden): the features a DFlash drafter conditions on."""
     device = model.device
     tokens = torch.tensor([t for plan in plans for t in plan.tokens], device=device)
     positions = torch.cat([plan.positions for plan in plans])
@@ -67,23 +71,34 @@ def forward_batch(model: DecoderLM, plans: list[ForwardPlan]) -> list[torch.Tens
     for plan in plans:
         rows.extend(offset + r for r in plan.logits_rows)
         offset += len(plan.tokens)
-    logits, _ = model(tokens, positions, attention, logits_rows=torch.tensor(rows, device=device))
-    return list(torch.split(logits, [len(plan.logits_rows) for plan in plans]))
+    logits, hidden = model(tokens, positions, attention, logits_rows=torch.tensor(rows, device=device),
+                           hidden_layer_ids=feature_layer_ids)
+    logits_per_plan = list(torch.split(logits, [len(plan.logits_rows) for plan in plans]))
+    if not feature_layer_ids:
+        return logits_per_plan, [None] * len(plans)
+    features = torch.cat(hidden, dim=-1)
+    return logits_per_plan, list(torch.split(features, [len(plan.tokens) for plan in plans]))
 
 
 class Generation:
     """One request's state. In process: call `step()` until `finished`; each call returns the tokens it
     committed. A batching server instead calls `plan(tree)`, runs several plans in one `forward_batch`, then
-    `apply(plan, logits)` for each."""
+    `apply(plan, logits, features)` for each.
+
+    `feature_layer_ids` (the local drafter's, or a remote drafter's for a server) makes each apply keep
+    `last_features`: the target's hidden states for the tokens it moved into the KV cache. A server also keeps
+    them all (`keep_features`), to resend a drafter that lost its context."""
 
     def __init__(self, model: DecoderLM, tokenizer: Tokenizer, prompt_ids: list[int], params: GenerationParams,
-                 drafter: Drafter | None = None, budget: int = 0):
+                 drafter: Drafter | None = None, budget: int = 0, feature_layer_ids: tuple[int, ...] = (),
+                 keep_features: bool = False):
         params.validate()
         cfg = model.config
         if not prompt_ids:
             raise TreeserveError("the prompt is empty")
-        if not all(0 <= t < cfg.vocab_size for t in prompt_ids):
-            raise TreeserveError(f"prompt token ids must be in [0, {cfg.vocab_size})")
+        outside = next((t for t in prompt_ids if not 0 <= t < cfg.vocab_size), None)
+        if outside is not None:
+            raise TreeserveError(f"prompt token id {outside} is outside the vocabulary [0, {cfg.vocab_size})")
         if not 0 <= budget <= MAX_BUDGET or (drafter is not None and budget == 0):
             raise TreeserveError(f"budget must be between 1 and {MAX_BUDGET}, got {budget}")
         if len(prompt_ids) + params.max_new_tokens > cfg.max_context:
@@ -92,6 +107,15 @@ class Generation:
         self.model, self.tokenizer, self.params = model, tokenizer, params
         # budget bounds the trees this request accepts, from the local drafter or from plan()'s caller.
         self.drafter, self.budget = drafter, budget
+        self.draft_context = drafter.new_context() if drafter is not None else None
+        self.feature_layer_ids = tuple(drafter.feature_layer_ids if drafter is not None else feature_layer_ids)
+        bad_layers = [i for i in self.feature_layer_ids if not 0 <= i < cfg.num_layers]
+        if bad_layers:
+            raise TreeserveError(f"the drafter asks for target layer {bad_layers[0]}, but the target has "
+                                 f"{cfg.num_layers} layers")
+        self.last_features: torch.Tensor | None = None
+        self.keep_features = keep_features and bool(self.feature_layer_ids)
+        self.feature_chunks: list[torch.Tensor] = []  # on the CPU, when keep_features
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.seed = params.seed if params.seed is not None else random_seed()
@@ -101,6 +125,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.stop_text_end: int | None = None  # where a matched stop string starts in the decoded text
         self.rounds = self.round_tokens = self.drafted_tokens = 0
+        self.last_accepted = 0  # drafted tokens the last round accepted (before a stop cut)
         self.started = time.perf_counter()
         self.prefill_s = self.elapsed_s = 0.0
 
@@ -117,7 +142,8 @@ class Generation:
         if self.finished:
             return []
         plan = self.plan(self.local_draft() if self.prefilled else None)
-        return self.apply(plan, forward_batch(self.model, [plan])[0])
+        logits, features = forward_batch(self.model, [plan], self.feature_layer_ids)
+        return self.apply(plan, logits[0], features[0])
 
     def plan(self, tree: DraftTree | None) -> ForwardPlan:
         """What the next target forward runs for this request: the prompt (first call), else the tree to verify
@@ -140,21 +166,33 @@ class Generation:
         return ForwardPlan(self.cache, tree.tokens, positions, tree.ancestor_mask(device),
                            list(range(tree.size)), tree)
 
-    def apply(self, plan: ForwardPlan, logits: torch.Tensor) -> list[int]:
-        """Take the target's choices from `logits` (one row per plan.logits_rows) and commit what they accept."""
+    def apply(self, plan: ForwardPlan, logits: torch.Tensor, features: torch.Tensor | None = None) -> list[int]:
+        """Take the target's choices from `logits` (one row per plan.logits_rows) and commit what they accept.
+        `features`: the plan's per-token hidden states, when the generation has feature layers."""
         done = len(self.output_ids)
         if plan.tree is None:  # prefill: the whole prompt is committed, its last row gives the first token
-            self.cache.keep(list(range(len(plan.tokens))))
+            kept = list(range(len(plan.tokens)))
             committed = self._commit(choose_tokens(logits, self.params, self.seed, [done]))
             self.prefill_s = time.perf_counter() - self.started
-            return committed
-        choices = choose_tokens(logits, self.params, self.seed, [done + d for d in plan.tree.depths()])
-        kept, emitted = walk_tree(plan.tree, choices)
+            new_context = self.prompt_ids + committed
+        else:
+            choices = choose_tokens(logits, self.params, self.seed, [done + d for d in plan.tree.depths()])
+            kept, emitted = walk_tree(plan.tree, choices)
+            self.last_accepted = len(kept) - 1  # kept holds the root plus the accepted nodes
+            committed = self._commit(emitted)
+            self.rounds += 1
+            self.round_tokens += len(committed)
+            self.drafted_tokens += plan.tree.size - 1
+            new_context = committed
         self.cache.keep(kept)
-        committed = self._commit(emitted)
-        self.rounds += 1
-        self.round_tokens += len(committed)
-        self.drafted_tokens += plan.tree.size - 1
+        if self.feature_layer_ids:
+            if features is None:
+                raise TreeserveError("this generation needs target features, and the forward gave none")
+            self.last_features = features[kept]
+            if self.keep_features:
+                self.feature_chunks.append(self.last_features.to("cpu"))
+        if self.drafter is not None and not self.finished:
+            self.drafter.extend(self.draft_context, new_context, self.last_features)
         return committed
 
     @property
@@ -168,10 +206,23 @@ class Generation:
             return self.output_ids[start - len(self.prompt_ids):]
         return self.prompt_ids[start:] + self.output_ids
 
+    def features_since(self, start: int) -> torch.Tensor:
+        """Kept feature rows from row `start` on (row i: the i-th token of the prompt and output)."""
+        chunks, end = [], sum(len(chunk) for chunk in self.feature_chunks)
+        for chunk in reversed(self.feature_chunks):  # usually only the newest chunk or two are needed
+            if end <= start:
+                break
+            chunks.append(chunk[max(0, start - (end - len(chunk))):])
+            end -= len(chunk)
+        if not chunks:
+            width = self.feature_chunks[0].shape[1] if self.feature_chunks else 0
+            return torch.empty(0, width)
+        return torch.cat(chunks[::-1])
+
     def local_draft(self) -> DraftTree | None:
         if self.drafter is None:
             return None
-        return self.drafter.propose(self.committed_since(0), self.budget)
+        return self.drafter.propose([self.draft_context], [self.budget])[0]
 
     def _commit(self, tokens: list[int]) -> list[int]:
         """Append tokens one by one, stopping at a stop token, a stop string or the length limit."""

@@ -10,16 +10,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 
 import grpc
+from opentelemetry import trace
 
 from treeserve.errors import TreeserveError
 from treeserve.loading import LoadedModel
+from treeserve.telemetry import Tracing, VerifierMetrics
 from treeserve.tree import MAX_BUDGET
 from treeserve.v1 import generation_pb2, verifier_pb2, verifier_pb2_grpc
-from treeserve.verifier.drafter_link import DrafterLink
-from treeserve.verifier.engine import Generation, forward_batch
+from treeserve.verifier.drafter_link import DraftRound, DrafterLink
+from treeserve.verifier.engine import ForwardPlan, Generation, forward_batch
 from treeserve.wire import FINISH_REASONS, params_from_proto
 
 log = logging.getLogger("treeserve.verifier")
@@ -30,27 +33,62 @@ class Running:
     generation: Generation
     outbox: asyncio.Queue  # VerifierServiceGenerateResponse messages, or an Exception to end the stream with
     link: DrafterLink | None  # the drafter holding this request's context; None: no speculation
+    span: trace.Span  # the request's span: its prefill and rounds are children
 
 
 class Scheduler:
-    def __init__(self, target: LoadedModel, links: list[DrafterLink], max_batch: int):
+    def __init__(self, target: LoadedModel, links: list[DrafterLink], max_batch: int,
+                 tracing: Tracing | None = None, metrics: VerifierMetrics | None = None):
         self.target, self.links, self.max_batch = target, links, max_batch
+        self.tracing = tracing or Tracing.off()
+        self.metrics = metrics or VerifierMetrics()
         self.waiting: dict[str, Running] = {}
         self.running: dict[str, Running] = {}
         self.wake = asyncio.Event()
+        # The target layers whose hidden states the drafters need, known once one has connected; every drafter
+        # of a verifier must want the same ones.
+        self.feature_layer_ids: tuple[int, ...] = ()
 
-    def submit(self, request_id: str, generation: Generation) -> asyncio.Queue:
+    async def connect(self, link: DrafterLink) -> bool:
+        """Try to (re)connect a drafter; False unless it is up and wants the features the others want."""
+        if not await link.connect():
+            return False
+        if link.feature_layer_ids and not self.feature_layer_ids:
+            self.feature_layer_ids = link.feature_layer_ids
+        if link.feature_layer_ids and link.feature_layer_ids != self.feature_layer_ids:
+            log.error("drafter %s wants features of target layers %s, the others %s: not using it", link.address,
+                      list(link.feature_layer_ids), list(self.feature_layer_ids))
+            await link.disable()
+            return False
+        return True
+
+    def can_draft(self, entry: Running, link: DrafterLink) -> bool:
+        """A drafter that conditions on features can take only requests that kept them from their prefill."""
+        return not link.feature_layer_ids or entry.generation.keep_features
+
+    def submit(self, request_id: str, generation: Generation,
+               span: trace.Span = trace.INVALID_SPAN) -> asyncio.Queue:
         speculate = generation.budget > 0 and bool(self.links)
         link = min(self.links, key=self._load) if speculate else None
-        self.waiting[request_id] = Running(generation, asyncio.Queue(), link)
+        self.waiting[request_id] = Running(generation, asyncio.Queue(), link, span)
+        self._update_gauges()
         self.wake.set()
         return self.waiting[request_id].outbox
 
-    def cancel(self, request_id: str) -> None:
-        """Free the request's KV (dropping the Generation frees its cache) and tell its drafter to forget it."""
+    def cancel(self, request_id: str) -> bool:
+        """Free the request's KV (dropping the Generation frees its cache) and tell its drafter to forget it.
+        False when the request had already left (finished or failed)."""
         entry = self.waiting.pop(request_id, None) or self.running.pop(request_id, None)
         if entry is not None and entry.link is not None:
             entry.link.forget(request_id)
+        self._update_gauges()
+        return entry is not None
+
+    def _update_gauges(self) -> None:
+        entries = [*self.waiting.values(), *self.running.values()]
+        self.metrics.waiting.set(len(self.waiting))
+        self.metrics.running.set(len(self.running))
+        self.metrics.kv_slots.set(sum(entry.generation.cache.capacity for entry in entries))
 
     def _load(self, link: DrafterLink) -> int:
         return sum(1 for entry in self.running.values() if entry.link is link)
@@ -63,31 +101,59 @@ class Scheduler:
             while self.waiting and len(self.running) < self.max_batch:
                 request_id = next(iter(self.waiting))
                 self.running[request_id] = self.waiting.pop(request_id)
+            self._update_gauges()
             try:
                 await self._round()
             except Exception as error:  # a bug or device failure: fail this batch, keep serving the next
                 log.exception("round failed")
                 for request_id in list(self.running):
-                    self.running.pop(request_id).outbox.put_nowait(error)
+                    self.running[request_id].outbox.put_nowait(error)
+                    self.metrics.requests.labels(outcome="error").inc()
+                    self.cancel(request_id)
 
-    async def _drafts(self) -> dict:
+    async def _drafts(self, spans: dict[str, trace.Span]) -> dict:
         """Trees for every prefilled, speculating request, one batched round trip per drafter."""
         for entry in self.running.values():
-            if entry.link is not None and not entry.link.up and not await entry.link.connect():
+            if entry.link is not None and not entry.link.up and not await self.connect(entry.link):
                 healthy = [link for link in self.links if link.up]  # move to a drafter that works
                 if healthy:
                     entry.link = min(healthy, key=self._load)
         by_link: dict[DrafterLink, dict[str, Generation]] = {}
         for request_id, entry in self.running.items():
-            if entry.link is not None and entry.link.up and entry.generation.prefilled:
-                by_link.setdefault(entry.link, {})[request_id] = entry.generation
+            link = entry.link
+            if link is not None and link.up and entry.generation.prefilled and self.can_draft(entry, link):
+                by_link.setdefault(link, {})[request_id] = entry.generation
+        trace_contexts = {request_id: self.tracing.carrier(span) for request_id, span in spans.items()}
         trees = {}
-        for found in await asyncio.gather(*(link.draft(requests) for link, requests in by_link.items())):
-            trees.update(found)
+        rounds: list[DraftRound] = await asyncio.gather(
+            *(link.draft(requests, trace_contexts) for link, requests in by_link.items()))
+        for found in rounds:
+            trees.update(found.trees)
+            if found.trees:
+                self.metrics.round_seconds.labels(phase="draft").observe(found.propose_s)
+                self.metrics.round_seconds.labels(phase="transport").observe(
+                    max(0.0, found.round_trip_s - found.propose_s))
         return trees
 
+    def _start_spans(self) -> dict[str, trace.Span]:
+        """One span per request for this round (its prefill, or a verified tree), when tracing is on."""
+        if not self.tracing.enabled:
+            return {}
+        return {request_id: self.tracing.tracer.start_span(
+                    "verifier.round" if entry.generation.prefilled else "verifier.prefill",
+                    context=trace.set_span_in_context(entry.span))
+                for request_id, entry in self.running.items()}
+
     async def _round(self) -> None:
-        trees = await self._drafts()
+        spans = self._start_spans()
+        try:
+            await self._verify(spans)
+        finally:
+            for span in spans.values():
+                span.end()
+
+    async def _verify(self, spans: dict[str, trace.Span]) -> None:
+        trees = await self._drafts(spans)
         plans = {}
         for request_id, entry in self.running.items():
             try:
@@ -97,16 +163,34 @@ class Scheduler:
                 plans[request_id] = entry.generation.plan(None)
         if not plans:
             return
-        logits = await asyncio.to_thread(forward_batch, self.target.model, list(plans.values()))
-        for (request_id, plan), rows in zip(plans.items(), logits):
+        started = time.perf_counter()
+        wants_features = any(entry.generation.keep_features for entry in self.running.values())
+        logits, features = await asyncio.to_thread(forward_batch, self.target.model, list(plans.values()),
+                                                   self.feature_layer_ids if wants_features else ())
+        for (request_id, plan), rows, plan_features in zip(plans.items(), logits, features):
             entry = self.running.get(request_id)
             if entry is None:  # cancelled while the forward ran
                 continue
-            committed = entry.generation.apply(plan, rows)
+            generation = entry.generation
+            committed = generation.apply(plan, rows, plan_features)
+            self.metrics.generated_tokens.inc(len(committed))
+            if plan.tree is not None:
+                self.metrics.record_round(plan.tree.size - 1, generation.last_accepted)
+            if request_id in spans:
+                spans[request_id].set_attributes(round_attributes(plan, generation, committed, len(plans)))
             entry.outbox.put_nowait(verifier_pb2.VerifierServiceGenerateResponse(token_ids=committed))
-            if entry.generation.finished:
-                entry.outbox.put_nowait(final_message(entry.generation))
+            if generation.finished:
+                entry.outbox.put_nowait(final_message(generation))
+                self.metrics.requests.labels(outcome=generation.finish_reason).inc()
                 self.cancel(request_id)
+        self.metrics.round_seconds.labels(phase="verify").observe(time.perf_counter() - started)
+
+
+def round_attributes(plan: ForwardPlan, generation: Generation, committed: list[int], batch_size: int) -> dict:
+    attributes = {"treeserve.batch_size": batch_size, "treeserve.committed": len(committed)}
+    if plan.tree is None:
+        return attributes | {"treeserve.prompt_tokens": len(plan.tokens)}
+    return attributes | {"treeserve.tree_nodes": plan.tree.size - 1, "treeserve.accepted": generation.last_accepted}
 
 
 def final_message(generation: Generation) -> verifier_pb2.VerifierServiceGenerateResponse:
@@ -122,15 +206,22 @@ def final_message(generation: Generation) -> verifier_pb2.VerifierServiceGenerat
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     def __init__(self, name: str, links: list[DrafterLink], default_budget: int, default_max_new_tokens: int,
-                 max_batch: int):
+                 max_batch: int, tracing: Tracing | None = None, metrics: VerifierMetrics | None = None):
         self.name, self.links = name, links
         self.default_budget, self.default_max_new_tokens, self.max_batch = (
             default_budget, default_max_new_tokens, max_batch)
+        self.tracing = tracing or Tracing.off()
+        self.metrics = metrics or VerifierMetrics()
         self.scheduler: Scheduler | None = None  # set once the model is loaded
+
+    def register(self, server: grpc.aio.Server) -> list[str]:
+        """For serving.start: add this servicer and name it for reflection."""
+        verifier_pb2_grpc.add_VerifierServiceServicer_to_server(self, server)
+        return [verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name]
 
     def attach(self, target: LoadedModel) -> Scheduler:
         self.target = target
-        self.scheduler = Scheduler(target, self.links, self.max_batch)
+        self.scheduler = Scheduler(target, self.links, self.max_batch, self.tracing, self.metrics)
         return self.scheduler
 
     async def Generate(self, request, context):
@@ -143,12 +234,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 raise TreeserveError(f"budget must be between 1 and {MAX_BUDGET}, got {requested}")
             budget = 0 if request.speculation.disabled or not self.links else requested
             target = self.target
+            # A speculating request keeps its target features in case its drafter conditions on them.
+            features = self.scheduler.feature_layer_ids if budget > 0 else ()
             generation = Generation(target.model, target.tokenizer, list(request.prompt_token_ids), params,
-                                    None, budget)
+                                    None, budget, features, keep_features=True)
         except TreeserveError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         request_id = f"{request.request_id or 'request'}-{uuid.uuid4().hex[:8]}"
-        outbox = self.scheduler.submit(request_id, generation)
+        span = self.tracing.tracer.start_span(
+            "verifier.generate", context=self.tracing.parent(context.invocation_metadata() or ()),
+            kind=trace.SpanKind.SERVER, attributes={"treeserve.request_id": request_id,
+                                                    "treeserve.prompt_tokens": len(request.prompt_token_ids),
+                                                    "treeserve.budget": budget})
+        outbox = self.scheduler.submit(request_id, generation, span)
         try:
             while True:
                 message = await outbox.get()
@@ -156,9 +254,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, f"verification failed: {message}")
                 yield message
                 if message.finish_reason:
+                    span.set_attributes({"treeserve.completion_tokens": message.usage.completion_tokens,
+                                         "treeserve.mean_accepted": message.stats.mean_accepted})
                     return
         finally:  # finished, failed, or the client went away: free everything the request held
-            self.scheduler.cancel(request_id)
+            if self.scheduler.cancel(request_id):
+                self.metrics.requests.labels(outcome="cancelled").inc()
+            span.end()
 
     async def GetInfo(self, request, context):
         if self.scheduler is None:

@@ -42,6 +42,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """RoPE cos and sin, (N, 1, head_dim) to broadcast over heads. The angles are computed in float32 whatever
+    the weights' dtype: bfloat16 positions would be off by whole steps."""
+    angles = positions.float()[:, None] * inv_freq.float()[None, :]
+    angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -142,10 +150,7 @@ class DecoderLM(nn.Module):
         hidden state after each layer in `hidden_layer_ids` (0-based; the output of that decoder layer), (N, hidden).
         """
         x = self.model.embed_tokens(input_ids)
-        # RoPE angles in float32 whatever the weights' dtype: bfloat16 positions would be off by whole steps.
-        angles = positions.float()[:, None] * self.rope_inv_freq.float()[None, :]
-        angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # (N, 1, head_dim): broadcast over heads
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = rope_cos_sin(self.rope_inv_freq, positions, x.dtype)
         wanted = set(hidden_layer_ids)
         hidden: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):

@@ -17,18 +17,27 @@ class Features(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class DraftItem(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "budget", "features", "finished")
+    __slots__ = ("request_id", "new_token_ids", "budget", "features", "finished", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     budget: int
     features: Features
     finished: bool
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., finished: _Optional[bool] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., budget: _Optional[int] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., finished: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("round", "items")
@@ -51,12 +60,14 @@ class DraftTree(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., log_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("round", "trees")
+    __slots__ = ("round", "trees", "propose_seconds")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TREES_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     round: int
     trees: _containers.RepeatedCompositeFieldContainer[DraftTree]
-    def __init__(self, round: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ...) -> None: ...
+    propose_seconds: float
+    def __init__(self, round: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ..., propose_seconds: _Optional[float] = ...) -> None: ...
 
 class DrafterServiceGetInfoRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,172 @@
+"""Tracing and metrics for the three services.
+
+Tracing is OpenTelemetry, configured from the standard variables: OTEL_TRACES_EXPORTER (`otlp`, `console` or
+`none`; unset means none, so tracing is off by default and costs one flag test per round), OTEL_SERVICE_NAME,
+OTEL_SDK_DISABLED and the exporter's own OTEL_EXPORTER_OTLP_* settings. A trace crosses services as W3C trace
+context: in gRPC metadata from gateway to verifier, and per request in each DraftItem from verifier to drafter
+(the Draft stream is shared by many requests, so its metadata cannot carry one request's context).
+
+Metrics are Prometheus, one registry per service, served over HTTP when the service is given --metrics-listen.
+Counters carry no replica label, so rates sum across replicas; Prometheus adds the instance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Iterable, Mapping
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from treeserve.errors import TreeserveError
+
+log = logging.getLogger("treeserve")
+
+PROPAGATOR = TraceContextTextMapPropagator()
+EXPORTERS = ("otlp", "console", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tracing:
+    """A tracer plus whether it records; code that builds per-round spans checks `enabled` first."""
+
+    tracer: trace.Tracer
+    enabled: bool
+    provider: object = None  # the SDK TracerProvider when tracing is on
+
+    @staticmethod
+    def off() -> "Tracing":
+        return Tracing(trace.NoOpTracer(), False)
+
+    def shutdown(self) -> None:
+        """Flush the spans still buffered in the batch processor; call before the process exits."""
+        if self.provider is not None:
+            self.provider.shutdown()
+
+    def carrier(self, span: trace.Span) -> dict[str, str]:
+        """The W3C headers (traceparent, tracestate) that make `span` the parent on the other side."""
+        headers: dict[str, str] = {}
+        if self.enabled:
+            PROPAGATOR.inject(headers, context=trace.set_span_in_context(span))
+        return headers
+
+    @staticmethod
+    def parent(headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> otel_context.Context | None:
+        """The context carried by headers (a mapping, or gRPC metadata pairs); None when there is none."""
+        pairs = dict(headers.items() if isinstance(headers, Mapping) else headers)
+        return PROPAGATOR.extract(pairs) if "traceparent" in pairs else None
+
+
+def tracing_from_env(service: str) -> Tracing:
+    """The process's tracing, as the OTEL_* variables ask. Raises TreeserveError for an unknown exporter, or
+    for otlp without its exporter package."""
+    exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower() or "none"
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or exporter_name == "none":
+        return Tracing.off()
+    if exporter_name not in EXPORTERS:
+        raise TreeserveError(f"OTEL_TRACES_EXPORTER={exporter_name!r}: use one of {', '.join(EXPORTERS)}")
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    if exporter_name == "otlp":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            raise TreeserveError("OTEL_TRACES_EXPORTER=otlp needs the OTLP exporter: pip install "
+                                 "'treeserve[otlp]'") from None
+        exporter = OTLPSpanExporter()
+    else:
+        exporter = ConsoleSpanExporter()
+    # Attributes given here win over OTEL_SERVICE_NAME in Resource.create, so the variable is applied by hand.
+    name = os.environ.get("OTEL_SERVICE_NAME") or f"treeserve-{service}"
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    log.info("tracing on: %s exporter, service %s", exporter_name, name)
+    return Tracing(provider.get_tracer("treeserve"), True, provider)
+
+
+def serve_metrics(listen: str, registry: CollectorRegistry):
+    """Serve `registry` at http://listen/metrics from a daemon thread; returns the HTTP server."""
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit():
+        raise TreeserveError(f"bad --metrics-listen {listen!r}: use host:port, e.g. 0.0.0.0:9464")
+    try:
+        server, _thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=registry)
+    except OSError as error:
+        raise TreeserveError(f"cannot serve metrics on {listen}: {error}") from None
+    log.info("metrics on http://%s:%d/metrics", host or "0.0.0.0", server.server_port)
+    return server
+
+
+# Round phases take from tens of microseconds (transport on a Unix socket) to seconds (a big CPU forward).
+PHASE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class VerifierMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.drafts = Counter("treeserve_drafts", "Draft trees verified", registry=r)
+        self.draft_tokens = Counter("treeserve_draft_tokens", "Drafted tree nodes verified, roots excluded",
+                                    registry=r)
+        self.accepted_tokens = Counter("treeserve_accepted_tokens", "Drafted tokens the target accepted",
+                                       registry=r)
+        self.accepted_by_position = Counter(
+            "treeserve_accepted_tokens_by_position",
+            "Rounds whose accepted path reached this depth (1 = the first drafted token was accepted)",
+            ["position"], registry=r)
+        self.round_seconds = Histogram(
+            "treeserve_round_seconds", "Round time by phase: draft (drafter compute), transport (round trip to "
+            "the drafter minus its compute), verify (target forward and acceptance)", ["phase"],
+            buckets=PHASE_BUCKETS, registry=r)
+        self.generated_tokens = Counter("treeserve_generated_tokens", "Tokens committed to outputs", registry=r)
+        self.requests = Counter("treeserve_verifier_requests", "Requests that ended, by how", ["outcome"],
+                                registry=r)
+        self.running = Gauge("treeserve_verifier_running_requests", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("treeserve_verifier_waiting_requests", "Requests waiting for a batch slot",
+                             registry=r)
+        self.kv_slots = Gauge("treeserve_verifier_kv_slots", "KV cache token slots held by requests", registry=r)
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        """One request's verified tree: `drafted` nodes, of which the `accepted` deepest path kept."""
+        if drafted == 0:
+            return
+        self.drafts.inc()
+        self.draft_tokens.inc(drafted)
+        self.accepted_tokens.inc(accepted)
+        for position in range(1, accepted + 1):
+            self.accepted_by_position.labels(position=str(position)).inc()
+
+
+class DrafterMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.streams = Gauge("treeserve_drafter_streams", "Open Draft streams (one per verifier)", registry=r)
+        self.contexts = Gauge("treeserve_drafter_contexts", "Request contexts held", registry=r)
+        self.rounds = Counter("treeserve_drafter_rounds", "Batched draft rounds answered", registry=r)
+        self.trees = Counter("treeserve_drafter_trees", "Trees proposed", registry=r)
+        self.tree_nodes = Counter("treeserve_drafter_tree_nodes", "Tree nodes proposed, roots excluded", registry=r)
+        self.propose_seconds = Histogram("treeserve_drafter_propose_seconds", "Compute time of one batched round",
+                                         buckets=PHASE_BUCKETS, registry=r)
+
+
+class GatewayMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("treeserve_gateway_requests", "Requests that ended, by gRPC status", ["code"],
+                                registry=r)
+        self.inflight = Gauge("treeserve_gateway_inflight_requests", "Requests in flight", registry=r)
+        self.output_tokens = Counter("treeserve_gateway_output_tokens", "Tokens streamed to clients", registry=r)
+        self.time_to_first_token = Histogram("treeserve_gateway_time_to_first_token_seconds",
+                                             "From request to the first streamed token", buckets=LATENCY_BUCKETS,
+                                             registry=r)
+        self.request_seconds = Histogram("treeserve_gateway_request_seconds", "From request to its final message",
+                                         buckets=LATENCY_BUCKETS, registry=r)

@@ -1,0 +1,108 @@
+"""python -m treeserve.drafter.acceptance_bench: mean accepted length of drafters side by side, greedy.
+
+Loads the target once and generates every prompt of a JSONL file ({"prompt": ..., "chat": bool} per line) with
+plain decoding, the n-gram drafter, and a DFlash checkpoint as chain and as DDTree at each budget. Reports per
+configuration the tokens per round (bonus included: 1.0 is plain decoding) over all prompts, and how many
+outputs equal plain decoding token for token. Writes JSON with --out and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from treeserve.cli import OneLineErrorParser
+from treeserve.errors import TreeserveError
+
+
+def read_prompts(path: Path, limit: int | None) -> list[dict]:
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        prompts = [json.loads(line) for line in lines]
+    except (OSError, ValueError) as error:
+        raise TreeserveError(f"cannot read prompts from {path}: {error}") from None
+    if not prompts or not all(isinstance(p, dict) and p.get("prompt") for p in prompts):
+        raise TreeserveError(f"{path}: expected one JSON object with a non-empty \"prompt\" per line")
+    return prompts[:limit] if limit else prompts
+
+
+def configurations(args) -> list[tuple[str, str, int]]:
+    """(label, kind, budget) in table order."""
+    configs = [("ngram", "ngram", budget) for budget in args.budgets]
+    if args.drafter_path:
+        configs += [(f"dflash {tree}", tree, budget) for tree in ("chain", "ddtree") for budget in args.budgets]
+    return configs
+
+
+def run(args) -> dict:
+    from treeserve.drafter import NgramDrafter
+    from treeserve.drafter.dflash import DFlashDrafter
+    from treeserve.loading import load_target
+    from treeserve.params import GenerationParams
+    from treeserve.verifier import generate
+
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    tok = target.tokenizer
+    prompts = read_prompts(args.prompts, args.limit)
+    encoded = [tok.encode_chat(p["prompt"]) if p.get("chat") else tok.encode(p["prompt"]) for p in prompts]
+    params = GenerationParams(max_new_tokens=args.max_new_tokens)
+    drafters = {"ngram": NgramDrafter()}
+    if args.drafter_path:
+        for tree in ("chain", "ddtree"):
+            drafters[tree] = DFlashDrafter.for_target(args.drafter_path, target.model, tree)
+    plain = [generate(target.model, tok, ids, params).token_ids for ids in encoded]
+    rows = []
+    for label, kind, budget in configurations(args):
+        started, rounds, tokens, identical = time.perf_counter(), 0, 0, 0
+        for ids, reference in zip(encoded, plain):
+            result = generate(target.model, tok, ids, params, drafters[kind], budget)
+            rounds, tokens = rounds + result.rounds, tokens + result.round_tokens
+            identical += result.token_ids == reference
+        rows.append({"drafter": label, "budget": budget, "mean_accepted": tokens / max(rounds, 1),
+                     "rounds": rounds, "identical_to_plain": identical, "prompts": len(encoded),
+                     "seconds": round(time.perf_counter() - started, 2)})
+        print(f"{label} budget {budget}: {rows[-1]['mean_accepted']:.2f} tokens/round, {identical}/{len(encoded)} "
+              "identical to plain", file=sys.stderr, flush=True)
+    return {"target": args.target, "drafter_path": str(args.drafter_path or ""), "device": args.device,
+            "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "prompts_file": str(args.prompts),
+            "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineErrorParser(prog="python -m treeserve.drafter.acceptance_bench", description=__doc__)
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--drafter-path", type=Path, help="a DFlash checkpoint (omit for n-gram only)")
+    parser.add_argument("--prompts", type=Path, required=True, help="JSONL of {\"prompt\", \"chat\"}")
+    parser.add_argument("--limit", type=int, help="use the first N prompts")
+    parser.add_argument("--budgets", default="8,16,32,64", help="comma-separated (default 8,16,32,64)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--out", type=Path, help="write the results here as JSON")
+    args = parser.parse_args(argv)
+    try:
+        args.budgets = [int(b) for b in args.budgets.split(",")]
+    except ValueError:
+        parser.error(f"--budgets: {args.budgets!r} is not a comma-separated list of numbers")
+    try:
+        results = run(args)
+    except TreeserveError as error:
+        print(f"acceptance_bench: error: {error}", file=sys.stderr)
+        return 1
+    results["command"] = " ".join(["python -m treeserve.drafter.acceptance_bench",
+                                   *(argv if argv is not None else sys.argv[1:])])
+    print("| drafter | budget | mean accepted | identical to plain |")
+    print("|---|---|---|---|")
+    for row in results["rows"]:
+        print(f"| {row['drafter']} | {row['budget']} | {row['mean_accepted']:.2f} | "
+              f"{row['identical_to_plain']}/{row['prompts']} |")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""The DFlash drafter model: a z-lab-layout checkpoint written here loads, and its block forward (with context
+keys/values cached across rounds, several requests batched) equals a naive implementation written from the
+paper's description."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from treeserve.drafter.dflash import DFlashModel, default_target_layer_ids, load_dflash, save_dflash
+from treeserve.errors import TreeserveError
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS, BLOCK = 48, 4, 2, 16, 80, 2, 5
+TARGET_LAYERS = (1, 3, 5)
+EPS, THETA = 1e-6, 10000.0
+
+
+def zlab_config() -> dict:
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": HIDDEN,
+            "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+            "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "rms_norm_eps": EPS, "rope_theta": THETA,
+            "max_position_embeddings": 512, "vocab_size": 100, "block_size": BLOCK, "attention_bias": False,
+            "dflash_config": {"target_layer_ids": list(TARGET_LAYERS), "mask_token_id": 99}}
+
+
+def random_weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=None):
+        return torch.randn(*shape, generator=g) * (scale or 1 / math.sqrt(shape[-1]))
+
+    weights = {"fc.weight": randn(HIDDEN, HIDDEN * len(TARGET_LAYERS)),
+               "hidden_norm.weight": 1 + randn(HIDDEN, scale=0.1), "norm.weight": 1 + randn(HIDDEN, scale=0.1)}
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        weights |= {p + "input_layernorm.weight": 1 + randn(HIDDEN, scale=0.1),
+                    p + "post_attention_layernorm.weight": 1 + randn(HIDDEN, scale=0.1),
+                    p + "self_attn.q_proj.weight": randn(HEADS * HEAD_DIM, HIDDEN),
+                    p + "self_attn.k_proj.weight": randn(KV_HEADS * HEAD_DIM, HIDDEN),
+                    p + "self_attn.v_proj.weight": randn(KV_HEADS * HEAD_DIM, HIDDEN),
+                    p + "self_attn.o_proj.weight": randn(HIDDEN, HEADS * HEAD_DIM),
+                    p + "self_attn.q_norm.weight": 1 + randn(HEAD_DIM, scale=0.1),
+                    p + "self_attn.k_norm.weight": 1 + randn(HEAD_DIM, scale=0.1),
+                    p + "mlp.gate_proj.weight": randn(INTER, HIDDEN),
+                    p + "mlp.up_proj.weight": randn(INTER, HIDDEN),
+                    p + "mlp.down_proj.weight": randn(HIDDEN, INTER)}
+    return weights
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(zlab_config()))
+    weights = random_weights(0)
+    save_file(weights, tmp_path / "model.safetensors")
+    return tmp_path, weights
+
+
+# ------------------------------------------------------------------------------------------- naive reference
+
+
+def rms(x, weight):
+    return weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+
+
+def rope(x, positions):
+    """x (N, heads, D): rotate pairs (i, i + D/2) by position * theta^(-2i/D)."""
+    half = HEAD_DIM // 2
+    freqs = THETA ** (-torch.arange(half, dtype=torch.float64) * 2 / HEAD_DIM)
+    angle = (positions.double()[:, None] * freqs[None, :]).float()[:, None, :]
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat((a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()), dim=-1)
+
+
+def naive_block(w, features, block, first_position):
+    """One request: context features (C, L*H) at positions 0..C-1, the block's embeddings (b, H) at positions
+    first_position.. ; every block row attends to the whole context and the whole block."""
+    context = rms(features @ w["fc.weight"].T, w["hidden_norm.weight"])
+    c, b = context.shape[0], block.shape[0]
+    ctx_pos, blk_pos = torch.arange(c), torch.arange(first_position, first_position + b)
+    x = block
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        h = rms(x, w[p + "input_layernorm.weight"])
+        both = torch.cat((context, h))  # context rows skip the layer norm: they are already normalised
+        q = rms((h @ w[p + "self_attn.q_proj.weight"].T).view(b, HEADS, HEAD_DIM), w[p + "self_attn.q_norm.weight"])
+        k = rms((both @ w[p + "self_attn.k_proj.weight"].T).view(c + b, KV_HEADS, HEAD_DIM),
+                w[p + "self_attn.k_norm.weight"])
+        v = (both @ w[p + "self_attn.v_proj.weight"].T).view(c + b, KV_HEADS, HEAD_DIM)
+        q, k = rope(q, blk_pos), rope(k, torch.cat((ctx_pos, blk_pos)))
+        out = torch.empty(b, HEADS, HEAD_DIM)
+        for head in range(HEADS):
+            kv = head // (HEADS // KV_HEADS)
+            scores = q[:, head] @ k[:, kv].T / math.sqrt(HEAD_DIM)
+            out[:, head] = scores.softmax(-1) @ v[:, kv]
+        x = x + out.reshape(b, -1) @ w[p + "self_attn.o_proj.weight"].T
+        h = rms(x, w[p + "post_attention_layernorm.weight"])
+        gate, up = h @ w[p + "mlp.gate_proj.weight"].T, h @ w[p + "mlp.up_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    return rms(x, w["norm.weight"])
+
+
+# ------------------------------------------------------------------------------------------------------ tests
+
+
+def test_checkpoint_loads_with_its_config(checkpoint):
+    folder, _ = checkpoint
+    model = load_dflash(folder)
+    cfg = model.config
+    assert (cfg.block_size, cfg.target_layer_ids, cfg.mask_token_id) == (BLOCK, TARGET_LAYERS, 99)
+    assert cfg.feature_size == HIDDEN * len(TARGET_LAYERS) and cfg.layers.num_layers == LAYERS
+
+
+def test_block_forward_equals_the_naive_implementation(checkpoint):
+    folder, weights = checkpoint
+    model = load_dflash(folder)
+    g = torch.Generator().manual_seed(1)
+    lengths = [7, 12]  # two requests with different context lengths, batched in one forward
+    features = [torch.randn(n, HIDDEN * len(TARGET_LAYERS), generator=g) for n in lengths]
+    blocks = [torch.randn(BLOCK, HIDDEN, generator=g) for _ in lengths]
+    contexts = []
+    for feats in features:
+        context = model.new_context()
+        # Context arrives over rounds: the cache must equal computing it at once.
+        model.extend_context(context, feats[:3])
+        model.extend_context(context, feats[3:])
+        contexts.append(context)
+    positions = torch.cat([torch.arange(n, n + BLOCK) for n in lengths])
+    got = model(torch.cat(blocks), positions, contexts)
+    want = torch.cat([naive_block(weights, f, b, n) for f, b, n in zip(features, blocks, lengths)])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_context_grows_past_its_first_allocation(checkpoint):
+    folder, weights = checkpoint
+    model = load_dflash(folder)
+    features = torch.randn(300, HIDDEN * len(TARGET_LAYERS), generator=torch.Generator().manual_seed(2))
+    context = model.new_context()
+    for start in range(0, 300, 100):
+        model.extend_context(context, features[start:start + 100])
+    block = torch.randn(BLOCK, HIDDEN)
+    got = model(block, torch.arange(300, 300 + BLOCK), [context])
+    torch.testing.assert_close(got, naive_block(weights, features, block, 300), atol=1e-5, rtol=1e-5)
+
+
+def test_save_then_load_round_trips(tmp_path, checkpoint):
+    folder, _ = checkpoint
+    model = load_dflash(folder)
+    save_dflash(model, tmp_path / "copy", dtype=torch.float32)
+    again = load_dflash(tmp_path / "copy")
+    assert again.config == model.config
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.pop("dflash_config"), "not a DFlash config"),
+    (lambda c: c.update(layer_types=["sliding_attention"] * LAYERS), "full-attention"),
+    (lambda c: c.update(block_size=1), "block_size"),
+])
+def test_bad_configs_are_clear_errors(checkpoint, change, message):
+    folder, _ = checkpoint
+    config = zlab_config()
+    change(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TreeserveError, match=message):
+        load_dflash(folder)
+
+
+def test_missing_or_misshaped_tensors_are_clear_errors(checkpoint):
+    folder, weights = checkpoint
+    save_file({k: v for k, v in weights.items() if k != "fc.weight"}, folder / "model.safetensors")
+    with pytest.raises(TreeserveError, match="missing tensor fc.weight"):
+        load_dflash(folder)
+    save_file(weights | {"norm.weight": torch.ones(HIDDEN + 1)}, folder / "model.safetensors")
+    with pytest.raises(TreeserveError, match="norm.weight has shape"):
+        load_dflash(folder)
+    with pytest.raises(TreeserveError, match="config.json is missing"):
+        load_dflash(folder / "nowhere")
+
+
+def test_default_target_layers_spread_from_1_to_l_minus_3():
+    assert default_target_layer_ids(30, 5) == (1, 8, 14, 20, 27)  # Python rounds 7.5 to even
+    assert default_target_layer_ids(36, 5)[0] == 1 and default_target_layer_ids(36, 5)[-1] == 33
+
+
+# ------------------------------------------------------------------------------- drafting inside the engine
+
+from random_targets import ENGINE_FAMILIES, random_dflash_drafter, random_target, target_features, word_tokenizer  # noqa: E402,E501
+from treeserve.params import GenerationParams  # noqa: E402
+from treeserve.verifier import Generation, generate  # noqa: E402
+
+VOCAB = 64  # random_dflash_drafter's mask token is VOCAB - 1 of the target it is given
+
+
+@pytest.mark.parametrize("tree", ["chain", "ddtree"])
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_dflash_speculation_is_lossless(family, tree):
+    target = random_target(family, seed=3, vocab_size=VOCAB, weight_scale=2.0)
+    tokenizer = word_tokenizer(VOCAB)
+    params = GenerationParams(max_new_tokens=24, ignore_eos=True)
+    for prompt in ([1, 2, 3, 4, 5], [7, 7, 9, 7, 7, 9, 7]):
+        plain = generate(target, tokenizer, prompt, params).token_ids
+        for budget in (1, 5, 16):
+            result = generate(target, tokenizer, prompt, params, random_dflash_drafter(target, tree), budget)
+            assert result.token_ids == plain, (prompt, budget)
+
+
+def test_the_drafter_context_holds_the_target_features_of_every_committed_token_but_the_root():
+    target = random_target("qwen3", seed=4, vocab_size=VOCAB, weight_scale=2.0)
+    drafter = random_dflash_drafter(target, "ddtree")
+    generation = Generation(target, word_tokenizer(VOCAB), [5, 6, 7, 5, 6], GenerationParams(max_new_tokens=20),
+                            drafter, budget=8)
+    while not generation.finished and len(generation.output_ids) < 12:
+        generation.step()
+    context = generation.draft_context
+    tokens = generation.prompt_ids + generation.output_ids
+    assert context.tokens == tokens and context.kv.length == len(tokens) - 1
+    fresh = drafter.model.new_context()
+    drafter.model.extend_context(fresh, target_features(target, tokens[:-1], (0, 1)))
+    torch.testing.assert_close(context.kv.keys[:, :, :fresh.length], fresh.keys[:, :, :fresh.length],
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(context.kv.values[:, :, :fresh.length], fresh.values[:, :, :fresh.length],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_oracle_block_distributions_give_long_accepted_paths_and_the_same_tokens(monkeypatch):
+    """With block distributions peaked on the target's own continuation, trees hold the accepted path:
+    rounds shrink, output stays the target's."""
+    target = random_target("llama", seed=5, vocab_size=VOCAB, weight_scale=2.0)
+    tokenizer = word_tokenizer(VOCAB)
+    prompt, params = [3, 1, 4, 1, 5], GenerationParams(max_new_tokens=30, ignore_eos=True)
+    plain = generate(target, tokenizer, prompt, params).token_ids
+    truth = prompt + plain
+    drafter = random_dflash_drafter(target, "ddtree")
+    real = drafter.block_log_probs
+
+    def oracle(contexts):
+        roots, log_probs = real(contexts)
+        log_probs = log_probs.clone()
+        for row, context in enumerate(contexts):
+            upcoming = truth[len(context.tokens):len(context.tokens) + log_probs.shape[1]]
+            for position, token in enumerate(upcoming):
+                log_probs[row, position, token] = 0.0  # the likeliest token by far
+        return roots, log_probs
+
+    monkeypatch.setattr(drafter, "block_log_probs", oracle)
+    result = generate(target, tokenizer, prompt, params, drafter, budget=8)
+    assert result.token_ids == plain
+    assert result.mean_accepted > 4
+
+
+def test_generate_command_with_a_dflash_checkpoint(tmp_path, capsys):
+    import tiny_models
+    from treeserve.cli import main
+    from treeserve.loading import load_target
+
+    target_path = tiny_models.write_hf_folder("qwen3", tmp_path / "target", seed=0)
+    target = load_target(str(target_path))
+    save_dflash(random_dflash_drafter(target.model, "ddtree").model, tmp_path / "drafter", dtype=torch.float32)
+    common = ["generate", "--target", str(target_path), "--prompt", "the cat sat on the mat", "--max-new-tokens",
+              "20", "--json"]
+    outputs = {}
+    for name, extra in [("none", ["--drafter", "none"]),
+                        ("chain", ["--drafter", "dflash", "--drafter-path", str(tmp_path / "drafter"), "--tree", "chain"]),
+                        ("ddtree", ["--drafter", "dflash", "--drafter-path", str(tmp_path / "drafter")])]:
+        assert main(common + extra) == 0
+        outputs[name] = json.loads(capsys.readouterr().out)
+    assert outputs["chain"]["token_ids"] == outputs["ddtree"]["token_ids"] == outputs["none"]["token_ids"]
+    assert outputs["ddtree"]["tree"] == "ddtree" and outputs["ddtree"]["rounds"] > 0
+    assert main(common + ["--drafter", "dflash"]) == 1
+    assert "--drafter-path" in capsys.readouterr().err
+
+
+def test_acceptance_bench_reports_every_configuration_lossless(tmp_path, capsys):
+    import tiny_models
+    from treeserve.drafter.acceptance_bench import main
+    from treeserve.loading import load_target
+
+    target_path = tiny_models.write_hf_folder("llama", tmp_path / "target", seed=1)
+    save_dflash(random_dflash_drafter(load_target(str(target_path)).model, "ddtree").model, tmp_path / "drafter",
+                dtype=torch.float32)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "the cat sat on the mat"}\n{"prompt": "def f(x):", "chat": true}\n')
+    out = tmp_path / "results.json"
+    assert main(["--target", str(target_path), "--drafter-path", str(tmp_path / "drafter"), "--prompts",
+                 str(prompts), "--budgets", "2,8", "--max-new-tokens", "12", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["drafter"], r["budget"]) for r in rows] == [
+        ("ngram", 2), ("ngram", 8), ("dflash chain", 2), ("dflash chain", 8), ("dflash ddtree", 2),
+        ("dflash ddtree", 8)]
+    assert all(r["identical_to_plain"] == 2 and r["mean_accepted"] >= 1.0 for r in rows)
+    assert "| dflash ddtree | 8 |" in capsys.readouterr().out

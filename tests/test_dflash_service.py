@@ -1,0 +1,174 @@
+"""DFlash over the Draft stream: the verifier sends each request's target features with its tokens, the drafter
+service builds its context from them, and a drafter restarted mid-stream gets every request's features again."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from random_targets import random_dflash_drafter, random_target, target_features, word_tokenizer
+from treeserve import serving
+from treeserve.drafter.server import DrafterServicer
+from treeserve.loading import LoadedModel
+from treeserve.params import GenerationParams
+from treeserve.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
+from treeserve.verifier import generate
+from treeserve.verifier.drafter_link import DrafterLink
+from treeserve.verifier.server import VerifierServicer
+
+VOCAB = 64
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1], [9, 8, 7, 6], [5, 5, 5, 5, 5, 6], [4, 20, 4, 21, 4]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return LoadedModel("tiny", random_target("qwen3", seed=11, vocab_size=VOCAB, weight_scale=2.0),
+                       word_tokenizer(VOCAB))
+
+
+def recording_drafter(target):
+    """A DFlash drafter that also keeps, per request context, every feature row it received."""
+    drafter = random_dflash_drafter(target.model, "ddtree")
+    drafter.contexts = []
+    new_context, extend = drafter.new_context, drafter.extend
+
+    def recording_new_context():
+        context = new_context()
+        context.received = []
+        drafter.contexts.append(context)
+        return context
+
+    def recording_extend(context, tokens, features):
+        if features is not None:
+            context.received.append(features.clone())
+        extend(context, tokens, features)
+
+    drafter.new_context, drafter.extend = recording_new_context, recording_extend
+    return drafter
+
+
+async def start_drafter(tmp_path, drafter):
+    return await serving.start(f"unix://{tmp_path}/drafter.sock", DrafterServicer(drafter).register)
+
+
+async def start_verifier(tmp_path, target, link: DrafterLink):
+    """The verifier service with one drafter link; returns (service, scheduler, scheduler task)."""
+    servicer = VerifierServicer("tiny", [link], default_budget=8, default_max_new_tokens=30, max_batch=8)
+    verifier = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
+    scheduler = servicer.attach(target)
+    task = asyncio.ensure_future(scheduler.run())
+    await scheduler.connect(link)
+    return verifier, scheduler, task
+
+
+async def stop_all(scheduler_task, verifier, link, drafter_service) -> None:
+    scheduler_task.cancel()
+    await verifier.server.stop(0)
+    await link.close()
+    await drafter_service.server.stop(0)
+
+
+def request(prompt, max_new_tokens=30):
+    return verifier_pb2.VerifierServiceGenerateRequest(
+        prompt_token_ids=prompt, stop=generation_pb2.StopConditions(max_new_tokens=max_new_tokens, ignore_eos=True),
+        speculation=generation_pb2.SpeculationParams(budget=8))
+
+
+async def collect(stub, message):
+    tokens = []
+    async for reply in stub.Generate(message):
+        tokens.extend(reply.token_ids)
+    return tokens
+
+
+def expected(target, prompt, max_new_tokens=30):
+    return generate(target.model, target.tokenizer, prompt,
+                    GenerationParams(max_new_tokens=max_new_tokens, ignore_eos=True)).token_ids
+
+
+def check_received_features(target, drafter):
+    """Each context got exactly the target's features of its tokens but the last, as a fresh forward gives them."""
+    checked = 0
+    for context in drafter.contexts:
+        if not context.received:
+            continue
+        received = torch.cat(context.received)
+        assert received.shape[0] == len(context.tokens) - 1
+        want = target_features(target.model, context.tokens[:-1], drafter.feature_layer_ids)
+        torch.testing.assert_close(received, want, atol=1e-4, rtol=1e-4)
+        checked += 1
+    return checked
+
+
+def test_dflash_through_the_services_is_lossless_and_gets_the_target_features(tmp_path, target):
+    drafter = recording_drafter(target)
+
+    async def main():
+        drafter_service = await start_drafter(tmp_path, drafter)
+        link = DrafterLink(drafter_service.address, timeout_s=5.0)
+        verifier, scheduler, task = await start_verifier(tmp_path, target, link)
+        assert link.up and scheduler.feature_layer_ids == drafter.feature_layer_ids
+        async with grpc.aio.insecure_channel(verifier.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            outputs = await asyncio.gather(*(collect(stub, request(p)) for p in PROMPTS))
+            # Alone in its batch, a request without speculation needs no features from the forward.
+            plain = request(PROMPTS[0])
+            plain.speculation.disabled = True
+            outputs.append(await collect(stub, plain))
+        await stop_all(task, verifier, link, drafter_service)
+        return outputs
+
+    outputs = asyncio.run(main())
+    for prompt, output in zip(PROMPTS + PROMPTS[:1], outputs):
+        assert output == expected(target, prompt)
+    assert check_received_features(target, drafter) == len(PROMPTS)
+
+
+def test_a_restarted_dflash_drafter_gets_every_request_resent(tmp_path, target):
+    first, second = recording_drafter(target), recording_drafter(target)
+
+    async def main():
+        drafter_service = await start_drafter(tmp_path, first)
+        link = DrafterLink(drafter_service.address, timeout_s=5.0, max_backoff_s=0.2)
+        verifier, _, task = await start_verifier(tmp_path, target, link)
+        async with grpc.aio.insecure_channel(verifier.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            pending = [asyncio.ensure_future(collect(stub, request(p, 60))) for p in PROMPTS]
+            while not first.contexts or min(len(c.tokens) for c in first.contexts) < 12:
+                await asyncio.sleep(0.005)
+            await drafter_service.server.stop(0)  # the drafter dies mid-stream...
+            drafter_service = await start_drafter(tmp_path, second)  # ...and a new one takes its socket
+            outputs = await asyncio.gather(*pending)
+        await stop_all(task, verifier, link, drafter_service)
+        return outputs
+
+    outputs = asyncio.run(main())
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output == expected(target, prompt, 60)
+    # The new drafter started from nothing: its first item per request carried the whole history.
+    assert check_received_features(target, second) >= 1
+    assert all(len(c.tokens) > 12 for c in second.contexts if c.received)
+
+
+def test_features_of_the_wrong_shape_are_invalid_argument(tmp_path, target):
+    async def main():
+        service = await start_drafter(tmp_path, random_dflash_drafter(target.model, "chain"))
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+            info = await stub.GetInfo(drafter_pb2.DrafterServiceGetInfoRequest())
+            stream = stub.Draft()
+            features = drafter_pb2.Features(data=bytes(4 * 3 * info.feature_layer_ids[-1]), shape=[3, 1],
+                                            dtype="float32")
+            await stream.write(drafter_pb2.DraftRequest(round=1, items=[drafter_pb2.DraftItem(
+                request_id="a", new_token_ids=[1, 2, 3], budget=4, features=features)]))
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stream.read()
+        await service.server.stop(0)
+        return info, raised.value
+
+    info, error = asyncio.run(main())
+    assert info.kind == "dflash" and list(info.feature_layer_ids) == [0, 1]
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "features of shape" in error.details()

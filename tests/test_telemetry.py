@@ -1,0 +1,213 @@
+"""Tracing and metrics: one trace across gateway, verifier and drafter (in-process, in-memory exporter), metrics
+that add up, and exporters chosen by the standard OTEL_* variables."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+
+import tiny_models
+from treeserve import serving, telemetry
+from treeserve.drafter import NgramDrafter
+from treeserve.drafter.server import DrafterServicer
+from treeserve.errors import TreeserveError
+from treeserve.gateway.server import GatewayServicer, serve as serve_gateway
+from treeserve.loading import load_target
+from treeserve.params import GenerationParams
+from treeserve.telemetry import Tracing
+from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
+from treeserve.verifier import generate
+from treeserve.verifier.drafter_link import DrafterLink
+from treeserve.verifier.server import VerifierServicer
+
+PROMPT = "the cat sat on the mat and the cat sat on the mat and the cat"
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return load_target(str(tiny_models.write_hf_folder("qwen3", tmp_path_factory.mktemp("model"), seed=0)))
+
+
+class Stack:
+    """Drafter, verifier and gateway served in this process on Unix sockets, sharing one tracing setup."""
+
+    def __init__(self, tmp_path, target, tracing: Tracing):
+        self.tmp_path, self.target, self.tracing = tmp_path, target, tracing
+        self.drafter_metrics = telemetry.DrafterMetrics()
+        self.verifier_metrics = telemetry.VerifierMetrics()
+        self.gateway_metrics = telemetry.GatewayMetrics()
+
+    async def __aenter__(self):
+        drafter = DrafterServicer(NgramDrafter(), tracing=self.tracing, metrics=self.drafter_metrics)
+        self.drafter = await serving.start(f"unix://{self.tmp_path}/drafter.sock", drafter.register)
+        self.link = DrafterLink(self.drafter.address, timeout_s=5.0)
+        verifier = VerifierServicer("tiny", [self.link], default_budget=8, default_max_new_tokens=16, max_batch=8,
+                                    tracing=self.tracing, metrics=self.verifier_metrics)
+        self.verifier = await serving.start(f"unix://{self.tmp_path}/verifier.sock", verifier.register)
+        self.scheduler = verifier.attach(self.target)
+        self.scheduler_task = asyncio.ensure_future(self.scheduler.run())
+        await self.scheduler.connect(self.link)
+        self.gateway_servicer = GatewayServicer(self.target.tokenizer, [self.verifier.address], tracing=self.tracing,
+                                                metrics=self.gateway_metrics)
+        self.gateway, ready = await serve_gateway(f"unix://{self.tmp_path}/gateway.sock", self.gateway_servicer)
+        await ready
+        self.channel = grpc.aio.insecure_channel(self.gateway.address)
+        self.stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.channel.close()
+        await self.gateway.server.stop(0)
+        await self.gateway_servicer.close()
+        self.scheduler_task.cancel()
+        await self.verifier.server.stop(0)
+        await self.link.close()
+        await self.drafter.server.stop(0)
+
+    async def generate(self, prompt: str, max_new_tokens: int) -> list[int]:
+        request = gateway_pb2.GenerateRequest(prompt=prompt, stop=generation_pb2.StopConditions(
+            max_new_tokens=max_new_tokens, ignore_eos=True))
+        return [t async for reply in self.stub.Generate(request) for t in reply.token_ids]
+
+
+def expected(target, prompt: str, max_new_tokens: int) -> list[int]:
+    params = GenerationParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    return generate(target.model, target.tokenizer, target.tokenizer.encode(prompt), params).token_ids
+
+
+def test_one_trace_holds_spans_of_all_three_services(tmp_path, target):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing = Tracing(provider.get_tracer("test"), True, provider)
+
+    async def main():
+        async with Stack(tmp_path, target, tracing) as stack:
+            return await stack.generate(PROMPT, 12)
+
+    assert asyncio.run(main()) == expected(target, PROMPT, 12)
+    spans = exporter.get_finished_spans()
+    assert len({span.context.trace_id for span in spans}) == 1, "every span belongs to the request's trace"
+    by_id = {span.context.span_id: span for span in spans}
+    names = [span.name for span in spans]
+    assert names.count("gateway.generate") == names.count("verifier.generate") == names.count("verifier.prefill") == 1
+    rounds = [span for span in spans if span.name == "verifier.round"]
+    proposes = [span for span in spans if span.name == "drafter.propose"]
+    assert rounds and proposes
+    parent = {span.name: by_id[span.parent.span_id].name for span in spans if span.parent is not None}
+    assert "gateway.generate" not in parent  # the root
+    assert parent == {"verifier.generate": "gateway.generate", "verifier.prefill": "verifier.generate",
+                      "verifier.round": "verifier.generate", "drafter.propose": "verifier.round"}
+    # Every round after the prefill committed tokens; together with the prefill's first token, the whole output.
+    assert 1 + sum(span.attributes["treeserve.committed"] for span in rounds) == 12
+    assert all(span.attributes["treeserve.accepted"] <= span.attributes["treeserve.tree_nodes"] for span in rounds)
+
+
+def samples(registry) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) -> value, as Prometheus would scrape them."""
+    from prometheus_client import generate_latest
+
+    text = generate_latest(registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_add_up_and_a_cancelled_stream_frees_its_kv(tmp_path, target):
+    prompts = [PROMPT, "one two three one two three one two three", "a b a b a b a b"]
+
+    async def main():
+        async with Stack(tmp_path, target, Tracing.off()) as stack:
+            outputs = await asyncio.gather(*(stack.generate(p, 16) for p in prompts))
+            # A stream cancelled after its first message: its KV and its drafter context are released.
+            request = gateway_pb2.GenerateRequest(prompt=PROMPT, stop=generation_pb2.StopConditions(
+                max_new_tokens=200, ignore_eos=True))
+            call = stack.stub.Generate(request)
+            await call.read()
+            assert samples(stack.verifier_metrics.registry)[("treeserve_verifier_kv_slots", ())] > 0
+            call.cancel()
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if not stack.scheduler.running and not stack.scheduler.waiting:
+                    break
+            await stack.generate("x y", 2)  # one more round tells the drafter to forget the cancelled request
+            return outputs, stack
+
+    outputs, stack = asyncio.run(main())
+    for prompt, output in zip(prompts, outputs):
+        assert output == expected(target, prompt, 16)
+    verifier = samples(stack.verifier_metrics.registry)
+    drafter = samples(stack.drafter_metrics.registry)
+    gateway = samples(stack.gateway_metrics.registry)
+    assert verifier[("treeserve_verifier_kv_slots", ())] == 0
+    assert verifier[("treeserve_verifier_running_requests", ())] == 0
+    assert verifier[("treeserve_verifier_requests_total", (("outcome", "cancelled"),))] == 1
+    assert verifier[("treeserve_verifier_requests_total", (("outcome", "length"),))] == 4
+    assert drafter[("treeserve_drafter_contexts", ())] == 0
+    by_position = {int(dict(labels)["position"]): value for (name, labels), value in verifier.items()
+                   if name == "treeserve_accepted_tokens_by_position_total"}
+    accepted = verifier[("treeserve_accepted_tokens_total", ())]
+    assert accepted > 0 and sum(by_position.values()) == accepted
+    assert all(by_position[k] >= by_position.get(k + 1, 0) for k in by_position)  # a depth needs the one above
+    assert by_position[1] <= verifier[("treeserve_drafts_total", ())]
+    # Verified nodes can be fewer than proposed: trees are cut near max_new_tokens, and a cancel drops one.
+    assert 0 < verifier[("treeserve_draft_tokens_total", ())] <= drafter[("treeserve_drafter_tree_nodes_total", ())]
+    for phase in ("draft", "transport", "verify"):
+        assert verifier[("treeserve_round_seconds_count", (("phase", phase),))] > 0
+    assert gateway[("treeserve_gateway_requests_total", (("code", "OK"),))] == 4
+    assert gateway[("treeserve_gateway_requests_total", (("code", "CANCELLED"),))] == 1
+    assert gateway[("treeserve_gateway_inflight_requests", ())] == 0
+    assert gateway[("treeserve_gateway_output_tokens_total", ())] >= 3 * 16 + 2
+
+
+def test_metrics_are_served_over_http(tmp_path):
+    metrics = telemetry.DrafterMetrics()
+    metrics.trees.inc(3)
+    server = telemetry.serve_metrics("127.0.0.1:0", metrics.registry)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+    finally:
+        server.shutdown()
+    assert "treeserve_drafter_trees_total 3.0" in text
+    with pytest.raises(TreeserveError, match="host:port"):
+        telemetry.serve_metrics("nonsense", metrics.registry)
+
+
+@pytest.mark.parametrize("variables, enabled", [
+    ({}, False),
+    ({"OTEL_TRACES_EXPORTER": "none"}, False),
+    ({"OTEL_TRACES_EXPORTER": "console"}, True),
+    ({"OTEL_TRACES_EXPORTER": "console", "OTEL_SDK_DISABLED": "true"}, False),
+    ({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1"}, True),
+])
+def test_tracing_follows_the_otel_variables(monkeypatch, variables, enabled):
+    for name in ("OTEL_TRACES_EXPORTER", "OTEL_SDK_DISABLED", "OTEL_SERVICE_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    tracing = telemetry.tracing_from_env("drafter")
+    assert tracing.enabled == enabled
+    if enabled:
+        assert tracing.provider.resource.attributes["service.name"] == "treeserve-drafter"
+    tracing.shutdown()
+
+
+def test_unknown_exporter_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
+    with pytest.raises(TreeserveError, match="OTEL_TRACES_EXPORTER"):
+        telemetry.tracing_from_env("gateway")
+
+
+def test_service_name_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "edge-gateway")
+    tracing = telemetry.tracing_from_env("gateway")
+    assert tracing.provider.resource.attributes["service.name"] == "edge-gateway"
+    tracing.shutdown()

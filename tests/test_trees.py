@@ -1,0 +1,184 @@
+"""DDTree and chain trees from per-position top-K lists, checked against brute-force enumeration."""
+
+import itertools
+
+import pytest
+import torch
+
+from treeserve.drafter.trees import chain_trees, ddtree_trees
+from treeserve.errors import TreeserveError
+from treeserve.tree import DraftTree
+
+VOCAB = 50
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Hundreds of tiny tensor ops per tree: thread hand-offs would dominate the run time."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_top_k(batch, depth, top_k, generator, dtype=torch.float64):
+    """Sorted random log-probs (continuous, so ties have probability zero) and distinct tokens per position."""
+    log_probs = torch.log(torch.rand(batch, depth, top_k, generator=generator, dtype=dtype))
+    log_probs = log_probs.sort(dim=-1, descending=True).values
+    token_ids = torch.stack([torch.randperm(VOCAB, generator=generator)[:top_k]
+                             for _ in range(batch * depth)]).view(batch, depth, top_k)
+    roots = torch.randint(VOCAB, (batch,), generator=generator)
+    return roots, log_probs, token_ids
+
+
+def all_paths(depth, top_k):
+    """Every node below the root as its choice path (k_1..k_d), for d = 1..depth."""
+    return [path for d in range(1, depth + 1) for path in itertools.product(range(top_k), repeat=d)]
+
+
+def path_score(log_probs_row, path):
+    score = 0.0
+    for position, k in enumerate(path):  # left to right, as the search accumulates
+        score += log_probs_row[position][k]
+    return score
+
+
+def brute_force_top(log_probs_row, budget):
+    """The top-`budget` paths by score (the row's scores must be tie-free for the set to be unique)."""
+    depth, top_k = len(log_probs_row), len(log_probs_row[0])
+    ranked = sorted(all_paths(depth, top_k), key=lambda path: -path_score(log_probs_row, path))
+    return ranked[:budget]
+
+
+def choice_paths(tree: DraftTree, token_ids_row):
+    """Each drafted node's path of choice indices, read back through its tokens (distinct per position)."""
+    depths, paths = tree.depths(), [()]
+    for node in range(1, tree.size):
+        position = depths[node] - 1
+        assert tree.tokens[node] in token_ids_row[position], "a node's token must come from its position's list"
+        paths.append(paths[tree.parents[node]] + (token_ids_row[position].index(tree.tokens[node]),))
+    return paths[1:]
+
+
+def assert_valid(tree: DraftTree, root: int, expected_nodes: int):
+    tree.validate(VOCAB)
+    assert tree.tokens[0] == root
+    assert tree.size == expected_nodes + 1
+
+
+@pytest.mark.parametrize("depth,top_k", [(1, 1), (1, 3), (3, 1), (2, 2), (3, 3), (4, 2), (4, 3)])
+def test_ddtree_matches_brute_force(depth, top_k):
+    generator = torch.Generator().manual_seed(depth * 10 + top_k)
+    possible = len(all_paths(depth, top_k))
+    for _ in range(12):
+        batch = 6
+        roots, log_probs, token_ids = random_top_k(batch, depth, top_k, generator)
+        # Different budgets in one call, always including root-only and more than the whole tree.
+        budgets = [0, possible, possible + 7] + torch.randint(1, possible + 1, (batch - 3,), generator=generator).tolist()
+        trees, node_log_probs = ddtree_trees(roots, log_probs, token_ids, budgets, with_log_probs=True)
+        assert len(trees) == batch
+        for b, (tree, tree_log_probs, budget) in enumerate(zip(trees, node_log_probs, budgets)):
+            lp_row, tok_row = log_probs[b].tolist(), token_ids[b].tolist()
+            expected = brute_force_top(lp_row, budget)
+            assert_valid(tree, roots[b].item(), len(expected))
+            paths = choice_paths(tree, tok_row)
+            assert set(paths) == set(expected)
+            scores = [path_score(lp_row, path) for path in paths]
+            assert scores == sorted(scores, reverse=True), "nodes come in selection (best-first) order"
+            assert sorted(scores) == sorted(path_score(lp_row, path) for path in expected)
+            assert tree_log_probs[0] == 0.0
+            assert tree_log_probs[1:] == [lp_row[len(path) - 1][path[-1]] for path in paths]
+
+
+def test_ddtree_with_ties_selects_a_top_budget_set():
+    # Log-probs drawn from three values: ties everywhere; whichever tied nodes are kept, the scores kept must
+    # be the top-budget scores and the result a valid tree.
+    generator = torch.Generator().manual_seed(7)
+    depth, top_k, batch = 4, 3, 8
+    possible = len(all_paths(depth, top_k))
+    for _ in range(10):
+        roots, _, token_ids = random_top_k(batch, depth, top_k, generator)
+        log_probs = -torch.randint(0, 3, (batch, depth, top_k), generator=generator).double()
+        log_probs = log_probs.sort(dim=-1, descending=True).values
+        budgets = torch.randint(0, possible + 2, (batch,), generator=generator)
+        trees = ddtree_trees(roots, log_probs, token_ids, budgets)
+        for b, tree in enumerate(trees):
+            lp_row = log_probs[b].tolist()
+            budget = min(int(budgets[b]), possible)
+            assert_valid(tree, roots[b].item(), budget)
+            kept = sorted((path_score(lp_row, p) for p in choice_paths(tree, token_ids[b].tolist())), reverse=True)
+            best = sorted((path_score(lp_row, p) for p in all_paths(depth, top_k)), reverse=True)[:budget]
+            assert kept == best
+
+
+def test_ddtree_tie_rule_prefers_the_node_discovered_first():
+    token_ids = torch.tensor([[[10, 11], [20, 21], [30, 31]]])
+    roots = torch.tensor([1])
+    # Elder and younger sibling tie at depth 1: the elder was pushed first.
+    tree = ddtree_trees(roots, torch.tensor([[[-1.0, -1.0], [-0.5, -3.0], [-0.5, -3.0]]]), token_ids, [1])[0]
+    assert tree.tokens == [1, 10]
+    # Step 0 pops (0,) and pushes its child (0,0) = -1.5 before its sibling (1,) = -1.5: the child wins.
+    tree = ddtree_trees(roots, torch.tensor([[[-1.0, -1.5], [-0.5, -3.0], [-0.5, -3.0]]]), token_ids, [2])[0]
+    assert (tree.tokens, tree.parents) == ([1, 10, 20], [-1, 0, 1])
+    # (1,) = -2 was pushed at step 0, the grandchild (0,0,0) = -2 at step 1: (1,) wins the third slot.
+    tree = ddtree_trees(roots, torch.tensor([[[-1.0, -2.0], [-0.5, -5.0], [-0.5, -5.0]]]), token_ids, [3])[0]
+    assert (tree.tokens, tree.parents) == ([1, 10, 20, 11], [-1, 0, 1, 0])
+
+
+def test_ddtree_zero_probability_nodes_fill_the_budget_after_the_rest():
+    # -inf scores must not be confused with empty frontier slots: they rank last but still count.
+    token_ids = torch.tensor([[[10, 11], [20, 21]]])
+    log_probs = torch.tensor([[[-0.1, float("-inf")], [float("-inf"), float("-inf")]]])
+    trees, node_log_probs = ddtree_trees(torch.tensor([1]), log_probs, token_ids, [6], with_log_probs=True)
+    assert_valid(trees[0], 1, 6)
+    assert trees[0].tokens[1] == 10 and node_log_probs[0][1] == pytest.approx(-0.1)
+    assert all(lp == float("-inf") for lp in node_log_probs[0][2:])
+
+
+def test_chain_is_the_argmax_path_cut_to_the_budget():
+    generator = torch.Generator().manual_seed(3)
+    roots, log_probs, token_ids = random_top_k(4, 5, 3, generator)
+    budgets = [0, 2, 5, 9]
+    for b, (tree, budget) in enumerate(zip(chain_trees(roots, token_ids, budgets), budgets)):
+        length = min(budget, 5)
+        assert_valid(tree, roots[b].item(), length)
+        assert tree.tokens[1:] == token_ids[b, :length, 0].tolist()
+        assert tree.parents == list(range(-1, length))
+        # The chain is also DDTree's tree whenever K = 1.
+        assert tree == ddtree_trees(roots[b:b + 1], log_probs[b:b + 1, :, :1], token_ids[b:b + 1, :, :1], [budget])[0]
+
+
+def test_ddtree_accepts_low_precision_log_probs_and_tensor_budgets():
+    generator = torch.Generator().manual_seed(5)
+    roots, log_probs, token_ids = random_top_k(3, 4, 3, generator, dtype=torch.float32)
+    budgets = torch.tensor([3, 0, 20])
+    trees = ddtree_trees(roots, log_probs.bfloat16(), token_ids, budgets)
+    for b, tree in enumerate(trees):
+        assert_valid(tree, roots[b].item(), int(budgets[b]))
+
+
+devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", devices)
+def test_ddtree_runs_on_the_inputs_device(device):
+    # The search is tensor ops on the inputs' device; every device gives the same trees as a CPU run.
+    generator = torch.Generator().manual_seed(11)
+    roots, log_probs, token_ids = random_top_k(5, 4, 3, generator, dtype=torch.float32)
+    budgets = [0, 1, 8, 16, 200]
+    expected = ddtree_trees(roots, log_probs, token_ids, budgets)
+    moved = [t.to(device) for t in (roots, log_probs, token_ids)]
+    assert ddtree_trees(*moved, torch.tensor(budgets, device=device)) == expected
+    assert chain_trees(moved[0], moved[2], budgets) == chain_trees(roots, token_ids, budgets)
+
+
+def test_empty_batch_and_bad_inputs():
+    empty = torch.zeros(0, 4, 3)
+    assert ddtree_trees(torch.zeros(0, dtype=torch.long), empty, empty.long(), []) == []
+    roots, log_probs, token_ids = random_top_k(2, 3, 2, torch.Generator().manual_seed(0))
+    with pytest.raises(TreeserveError):
+        ddtree_trees(roots, log_probs, token_ids, [1])
+    with pytest.raises(TreeserveError):
+        ddtree_trees(roots, log_probs, token_ids, [1, -1])
+    with pytest.raises(TreeserveError):
+        ddtree_trees(roots, log_probs, token_ids[:, :2], [1, 1])
