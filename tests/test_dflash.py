@@ -261,15 +261,18 @@ def test_generate_command_with_a_dflash_checkpoint(tmp_path, capsys):
     target_path = tiny_models.write_hf_folder("qwen3", tmp_path / "target", seed=0)
     target = load_target(str(target_path))
     save_dflash(random_dflash_drafter(target.model, "ddtree").model, tmp_path / "drafter", dtype=torch.float32)
+    draft_path = tiny_models.write_hf_folder("qwen3", tmp_path / "draft", seed=1)  # same tokenizer, other weights
     common = ["generate", "--target", str(target_path), "--prompt", "the cat sat on the mat", "--max-new-tokens",
               "20", "--json"]
     outputs = {}
     for name, extra in [("none", ["--drafter", "none"]),
                         ("chain", ["--drafter", "dflash", "--drafter-path", str(tmp_path / "drafter"), "--tree", "chain"]),
-                        ("ddtree", ["--drafter", "dflash", "--drafter-path", str(tmp_path / "drafter")])]:
+                        ("ddtree", ["--drafter", "dflash", "--drafter-path", str(tmp_path / "drafter")]),
+                        ("model", ["--drafter", "model", "--drafter-path", str(draft_path)])]:
         assert main(common + extra) == 0
         outputs[name] = json.loads(capsys.readouterr().out)
-    assert outputs["chain"]["token_ids"] == outputs["ddtree"]["token_ids"] == outputs["none"]["token_ids"]
+    assert (outputs["chain"]["token_ids"] == outputs["ddtree"]["token_ids"] == outputs["model"]["token_ids"]
+            == outputs["none"]["token_ids"])
     assert outputs["ddtree"]["tree"] == "ddtree" and outputs["ddtree"]["rounds"] > 0
     assert main(common + ["--drafter", "dflash"]) == 1
     assert "--drafter-path" in capsys.readouterr().err
@@ -294,3 +297,56 @@ def test_acceptance_bench_reports_every_configuration_lossless(tmp_path, capsys)
         ("dflash ddtree", 8)]
     assert all(r["identical_to_plain"] == 2 and r["mean_accepted"] >= 1.0 for r in rows)
     assert "| dflash ddtree | 8 |" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------- the draft-model drafter
+
+from treeserve.drafter.draft_model import DraftModelDrafter  # noqa: E402
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_draft_model_drafting_is_lossless(family):
+    target = random_target(family, seed=6, vocab_size=VOCAB, weight_scale=2.0)
+    draft = random_target(family, seed=7, vocab_size=VOCAB, weight_scale=2.0)  # another model, same vocabulary
+    tokenizer = word_tokenizer(VOCAB)
+    params = GenerationParams(max_new_tokens=24, ignore_eos=True)
+    for prompt in ([1, 2, 3, 4, 5], [7, 7, 9, 7, 7, 9, 7]):
+        plain = generate(target, tokenizer, prompt, params).token_ids
+        for budget in (1, 6, 20):
+            result = generate(target, tokenizer, prompt, params, DraftModelDrafter(draft, top_k=3, width=4), budget)
+            assert result.token_ids == plain, (prompt, budget)
+
+
+def test_the_target_as_its_own_draft_model_is_accepted_whole():
+    """Drafting with the target itself puts the target's greedy path in every tree: each round accepts the
+    tree's full depth."""
+    target = random_target("llama", seed=8, vocab_size=VOCAB, weight_scale=2.0)
+    tokenizer = word_tokenizer(VOCAB)
+    params = GenerationParams(max_new_tokens=30, ignore_eos=True)
+    plain = generate(target, tokenizer, [3, 1, 4], params).token_ids
+    result = generate(target, tokenizer, [3, 1, 4], params, DraftModelDrafter(target, top_k=2, width=2), 12)
+    assert result.token_ids == plain
+    assert result.mean_accepted > 5  # a 12-node tree of width 2 is 6 levels deep: 7 tokens a round at best
+
+
+def test_draft_model_trees_respect_budget_and_width():
+    target = random_target("qwen2", seed=9, vocab_size=VOCAB)
+    drafter = DraftModelDrafter(target, top_k=3, width=2)
+    contexts = [drafter.new_context() for _ in range(3)]
+    for context, tokens in zip(contexts, ([1, 2, 3], [4, 5], [6, 7, 8, 9])):
+        drafter.extend(context, tokens)
+    trees = drafter.propose(contexts, [0, 5, 9])
+    for tree, budget, context in zip(trees, [0, 5, 9], contexts):
+        tree.validate(VOCAB)
+        assert tree.tokens[0] == context.tokens[-1] and tree.size == budget + 1
+        depths = tree.depths()
+        assert all(depths.count(d) <= 2 for d in range(1, max(depths) + 1))
+    assert contexts[2].cache.length == 3  # the committed tokens but the root
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tmp_path):
+    import tiny_models
+
+    draft_path = tiny_models.write_hf_folder("llama", tmp_path / "draft", seed=0)
+    with pytest.raises(TreeserveError, match="tokenizer"):
+        DraftModelDrafter.load(str(draft_path), "cpu", "float32", word_tokenizer(VOCAB))

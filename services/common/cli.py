@@ -11,7 +11,7 @@ from treeserve.errors import TreeserveError
 from treeserve.params import GenerationParams
 from treeserve.tree import MAX_BUDGET
 
-DRAFTERS = ("none", "ngram", "dflash")
+DRAFTERS = ("none", "ngram", "dflash", "model")
 TREES = ("chain", "ddtree")
 
 
@@ -50,8 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default smollm2-135m)")
     gen.add_argument("--drafter", choices=DRAFTERS, default="ngram",
                      help="none: plain autoregressive decoding; ngram: prompt-lookup trees (default); dflash: "
-                          "the DFlash block drafter at --drafter-path")
-    gen.add_argument("--drafter-path", help="a DFlash drafter checkpoint folder (config.json + model.safetensors)")
+                          "the DFlash block drafter at --drafter-path; model: the small LM at --drafter-path")
+    gen.add_argument("--drafter-path", help="dflash: a DFlash checkpoint folder (config.json + model.safetensors); "
+                                            "model: a draft model with the target's tokenizer (name, HF folder, "
+                                            ".gguf)")
     gen.add_argument("--tree", choices=TREES, default="ddtree",
                      help="how a DFlash drafter builds trees: chain (its argmax path) or ddtree (the best tree "
                           "for the budget; default)")
@@ -73,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "folder), wait until they serve, print the gateway address; Ctrl-C stops all.")
     up.add_argument("--target", default="smollm2-135m", help="model name, HF folder or .gguf (default smollm2-135m)")
     up.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="default ngram; none: plain decoding")
-    up.add_argument("--drafter-path", help="--drafter dflash: the DFlash checkpoint folder")
+    up.add_argument("--drafter-path", help="--drafter dflash: the DFlash checkpoint folder; model: the draft model")
     up.add_argument("--tree", choices=TREES, default="ddtree", help="--drafter dflash: chain or ddtree (default)")
     up.add_argument("--budget", type=int, default=16, help=f"default tree budget, 1 to {MAX_BUDGET} (default 16)")
     up.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -166,7 +168,7 @@ def read_prompt(args) -> str:
     return text
 
 
-def make_drafter(args, target_model):
+def make_drafter(args, target):
     """The drafter `generate` asked for, loaded for the target (None for plain decoding)."""
     if args.drafter == "none":
         return None
@@ -175,10 +177,15 @@ def make_drafter(args, target_model):
 
         return NgramDrafter()
     if not args.drafter_path:
-        raise TreeserveError("--drafter dflash needs --drafter-path DIR (a DFlash checkpoint for this target)")
+        raise TreeserveError(f"--drafter {args.drafter} needs --drafter-path (a DFlash checkpoint folder, or a "
+                             "draft model)")
+    if args.drafter == "model":
+        from treeserve.drafter.draft_model import DraftModelDrafter
+
+        return DraftModelDrafter.load(args.drafter_path, args.device, args.dtype, target.tokenizer)
     from treeserve.drafter.dflash import DFlashDrafter
 
-    return DFlashDrafter.for_target(args.drafter_path, target_model, args.tree)
+    return DFlashDrafter.for_target(args.drafter_path, target.model, args.tree)
 
 
 def stream_text(generation) -> None:
@@ -202,7 +209,7 @@ def run_generate(args) -> int:
     from treeserve.verifier import Generation
 
     target = load_target(args.target, device=args.device, dtype=args.dtype)
-    drafter = make_drafter(args, target.model)
+    drafter = make_drafter(args, target)
     tokenizer = target.tokenizer
     prompt_ids = tokenizer.encode_chat(prompt) if args.chat else tokenizer.encode(prompt)
     generation = Generation(target.model, tokenizer, prompt_ids, params, drafter, args.budget)
@@ -244,8 +251,8 @@ def run_client(args) -> int:
 def run_up_command(args) -> int:
     if not 1 <= args.budget <= MAX_BUDGET:
         raise TreeserveError(f"--budget must be between 1 and {MAX_BUDGET}, got {args.budget}")
-    if args.drafter == "dflash" and not args.drafter_path:
-        raise TreeserveError("--drafter dflash needs --drafter-path DIR")
+    if args.drafter in ("dflash", "model") and not args.drafter_path:
+        raise TreeserveError(f"--drafter {args.drafter} needs --drafter-path")
     from treeserve.launcher import run_up
 
     return run_up(args)

@@ -98,7 +98,7 @@ def run_up(args) -> int:
                          "--default-budget", str(args.budget), "--grace-s", str(args.grace_s)]
         if args.drafter != "none":
             drafter_args = ["--kind", args.drafter, "--grace-s", str(args.grace_s)]
-            if args.drafter == "dflash":
+            if args.drafter in ("dflash", "model"):
                 drafter_args += ["--drafter-path", args.drafter_path, "--tree", args.tree, "--target", args.target,
                                  "--device", args.device, "--dtype", args.dtype]
             verifier_args += ["--drafter", stack.start("drafter", drafter_args)]

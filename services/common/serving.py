@@ -121,6 +121,14 @@ async def run_until_signalled(service: Service, grace_s: float,
         socket.unlink(missing_ok=True)
 
 
+async def abandon(service: Service) -> None:
+    """Stop at once and remove the socket: for a service whose startup failed after it began listening."""
+    await service.server.stop(0)
+    socket = unix_socket_path(service.address)
+    if socket is not None:
+        socket.unlink(missing_ok=True)
+
+
 def run(main: Awaitable[None]) -> None:
     """asyncio on uvloop (the faster event loop) when it is installed."""
     try:

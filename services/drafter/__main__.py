@@ -20,7 +20,7 @@ from treeserve.errors import TreeserveError
 from treeserve.tree import MAX_BUDGET
 
 PROG = "python -m treeserve.drafter"
-KINDS = ("ngram", "dflash")
+KINDS = ("ngram", "dflash", "model")
 TREES = ("chain", "ddtree")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -49,15 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--listen", default=env("listen", serving.default_address("drafter")),
                         help="unix:///path/to.sock or host:port (default %(default)s)")
     parser.add_argument("--kind", default=env("kind", "ngram"),
-                        help="ngram: prompt-lookup trees (default); dflash: the DFlash block drafter at --drafter-path")
-    parser.add_argument("--drafter-path", default=env("drafter-path"), help="dflash: the checkpoint folder")
+                        help="ngram: prompt-lookup trees (default); dflash: the DFlash block drafter at "
+                             "--drafter-path; model: the small LM at --drafter-path")
+    parser.add_argument("--drafter-path", default=env("drafter-path"),
+                        help="dflash: the checkpoint folder; model: the draft model (name, HF folder, .gguf)")
     parser.add_argument("--target", default=env("target", "smollm2-135m"),
-                        help="dflash: the verifier's model (name, HF folder or .gguf), whose embedding and LM head "
-                             "the drafter uses (default %(default)s)")
+                        help="dflash, model: the verifier's model (name, HF folder or .gguf); DFlash uses its "
+                             "embedding and LM head, a draft model must share its tokenizer (default %(default)s)")
     parser.add_argument("--tree", default=env("tree", "ddtree"),
                         help="dflash: chain (the argmax path) or ddtree (the best tree for the budget; default)")
-    parser.add_argument("--device", default=env("device", "cpu"), help="dflash: cpu or cuda (default cpu)")
-    parser.add_argument("--dtype", default=env("dtype", "float32"), help="dflash: float32 (default) or bfloat16")
+    parser.add_argument("--device", default=env("device", "cpu"), help="dflash, model: cpu or cuda (default cpu)")
+    parser.add_argument("--dtype", default=env("dtype", "float32"),
+                        help="dflash, model: float32 (default) or bfloat16")
     parser.add_argument("--max-budget", type=number(int, 1), default=env("max-budget", MAX_BUDGET),
                         help="largest tree a request may ask for, in drafted nodes (default %(default)s)")
     parser.add_argument("--grace-s", type=number(float, 0), default=env("grace-s", 10.0),
@@ -78,8 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  ("--dtype", args.dtype, ("float32", "bfloat16"))):
         if value not in allowed:
             parser.error(f"argument {flag}: invalid choice {value!r} (choose from {', '.join(allowed)})")
-    if args.kind == "dflash" and not args.drafter_path:
-        parser.error("--kind dflash needs --drafter-path DIR")
+    if args.kind in ("dflash", "model") and not args.drafter_path:
+        parser.error(f"--kind {args.kind} needs --drafter-path")
     return args
 
 
@@ -87,8 +90,11 @@ def load_drafter(args: argparse.Namespace):
     if args.kind == "ngram":
         return NgramDrafter()
     from treeserve.drafter.dflash import DFlashDrafter
-    from treeserve.loading import load_target
+    from treeserve.drafter.draft_model import DraftModelDrafter
+    from treeserve.loading import load_target, load_tokenizer
 
+    if args.kind == "model":
+        return DraftModelDrafter.load(args.drafter_path, args.device, args.dtype, load_tokenizer(args.target))
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     return DFlashDrafter.for_target(args.drafter_path, target.model, args.tree)
 
@@ -101,7 +107,11 @@ async def serve(args: argparse.Namespace) -> None:
     servicer = DrafterServicer(None, args.max_budget, tracing, metrics)
     service = await serving.start(args.listen, servicer.register)
     log.info("drafter %s listening on %s; loading", args.kind, service.address)
-    servicer.attach(await asyncio.to_thread(load_drafter, args))
+    try:
+        servicer.attach(await asyncio.to_thread(load_drafter, args))
+    except BaseException:
+        await serving.abandon(service)
+        raise
     await service.set_serving(True)
     log.info("drafter %s (max budget %d) serving on %s", args.kind, args.max_budget, service.address)
     await serving.run_until_signalled(service, args.grace_s)

@@ -63,7 +63,11 @@ async def serve(args) -> None:
                                 tracing, metrics)
     service = await serving.start(args.listen, servicer.register)
     log.info("verifier listening on %s; loading %s", service.address, args.target)
-    target = await asyncio.to_thread(load_target, args.target, args.device, args.dtype)
+    try:
+        target = await asyncio.to_thread(load_target, args.target, args.device, args.dtype)
+    except BaseException:
+        await serving.abandon(service)
+        raise
     scheduler = servicer.attach(target)
     scheduler_task = asyncio.ensure_future(scheduler.run())
     for link in links:
