@@ -84,7 +84,8 @@ def test_ddtree_matches_brute_force(depth, top_k):
             paths = choice_paths(tree, tok_row)
             assert set(paths) == set(expected)
             scores = [path_score(lp_row, path) for path in paths]
-            assert scores == sorted(scores, reverse=True), "nodes come in selection (best-first) order"
+            order = [(len(path), -score) for path, score in zip(paths, scores)]
+            assert order == sorted(order), "nodes come depth by depth, best first within a depth"
             assert sorted(scores) == sorted(path_score(lp_row, path) for path in expected)
             assert tree_log_probs[0] == 0.0
             assert tree_log_probs[1:] == [lp_row[len(path) - 1][path[-1]] for path in paths]
@@ -111,18 +112,21 @@ def test_ddtree_with_ties_selects_a_top_budget_set():
             assert kept == best
 
 
-def test_ddtree_tie_rule_prefers_the_node_discovered_first():
+def test_ddtree_tie_rule_prefers_shallow_nodes_then_elder_ones():
     token_ids = torch.tensor([[[10, 11], [20, 21], [30, 31]]])
     roots = torch.tensor([1])
-    # Elder and younger sibling tie at depth 1: the elder was pushed first.
+    # Elder and younger sibling tie at depth 1: the elder wins.
     tree = ddtree_trees(roots, torch.tensor([[[-1.0, -1.0], [-0.5, -3.0], [-0.5, -3.0]]]), token_ids, [1])[0]
     assert tree.tokens == [1, 10]
-    # Step 0 pops (0,) and pushes its child (0,0) = -1.5 before its sibling (1,) = -1.5: the child wins.
+    # The child (0,0) and the sibling (1,) both score -1.5: the shallower sibling wins.
     tree = ddtree_trees(roots, torch.tensor([[[-1.0, -1.5], [-0.5, -3.0], [-0.5, -3.0]]]), token_ids, [2])[0]
-    assert (tree.tokens, tree.parents) == ([1, 10, 20], [-1, 0, 1])
-    # (1,) = -2 was pushed at step 0, the grandchild (0,0,0) = -2 at step 1: (1,) wins the third slot.
-    tree = ddtree_trees(roots, torch.tensor([[[-1.0, -2.0], [-0.5, -5.0], [-0.5, -5.0]]]), token_ids, [3])[0]
-    assert (tree.tokens, tree.parents) == ([1, 10, 20, 11], [-1, 0, 1, 0])
+    assert (tree.tokens, tree.parents) == ([1, 10, 11], [-1, 0, 0])
+    # A parent and its child tie when the child's log-prob is 0: the parent comes first, so the tree is valid.
+    tree = ddtree_trees(roots, torch.tensor([[[-1.0, -2.0], [0.0, -5.0], [0.0, -5.0]]]), token_ids, [3])[0]
+    assert (tree.tokens, tree.parents) == ([1, 10, 20, 30], [-1, 0, 1, 2])
+    # (0,1) and (1,0) both score -1.75 for the last slot: the one under the better parent wins.
+    tree = ddtree_trees(roots, torch.tensor([[[-1.0, -1.25], [-0.5, -0.75], [-9.0, -9.0]]]), token_ids, [4])[0]
+    assert (tree.tokens, tree.parents) == ([1, 10, 11, 20, 21], [-1, 0, 0, 1, 1])
 
 
 def test_ddtree_zero_probability_nodes_fill_the_budget_after_the_rest():
