@@ -137,6 +137,8 @@ def test_metrics_add_up_and_a_cancelled_stream_frees_its_kv(tmp_path, target):
                 if not stack.scheduler.running and not stack.scheduler.waiting:
                     break
             await stack.generate("x y", 2)  # one more round tells the drafter to forget the cancelled request
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stack.generate("", 2)
             return outputs, stack
 
     outputs, stack = asyncio.run(main())
@@ -162,6 +164,7 @@ def test_metrics_add_up_and_a_cancelled_stream_frees_its_kv(tmp_path, target):
         assert verifier[("treeserve_round_seconds_count", (("phase", phase),))] > 0
     assert gateway[("treeserve_gateway_requests_total", (("code", "OK"),))] == 4
     assert gateway[("treeserve_gateway_requests_total", (("code", "CANCELLED"),))] == 1
+    assert gateway[("treeserve_gateway_requests_total", (("code", "INVALID_ARGUMENT"),))] == 1
     assert gateway[("treeserve_gateway_inflight_requests", ())] == 0
     assert gateway[("treeserve_gateway_output_tokens_total", ())] >= 3 * 16 + 2
 

@@ -1,0 +1,135 @@
+"""Triton kernels against their PyTorch references on odd shapes (under Triton's interpreter without CUDA),
+and the references against plain dense attention."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on the CPU
+
+triton = pytest.importorskip("triton")
+from treeserve.kernels.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_tree_mask(size: int, generator: torch.Generator) -> torch.Tensor:
+    """A random tree's ancestor-or-self mask (node 0 the root; parents before children)."""
+    mask = torch.eye(size, dtype=torch.bool)
+    for node in range(1, size):
+        parent = int(torch.randint(node, (1,), generator=generator))
+        mask[node] |= mask[parent]
+    return mask
+
+
+def make_case(prefix_lens, tree_sizes, heads, kv_heads, head_dim, block_size, seed, dtype=torch.float32):
+    """Sequences laid out in shuffled pages of a shared cache, plus their queries and tree masks."""
+    g = torch.Generator().manual_seed(seed)
+    batch, rows = len(prefix_lens), max(tree_sizes)
+    lengths = [p + t for p, t in zip(prefix_lens, tree_sizes)]
+    pages = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(pages) + 3  # spare pages that belong to nobody
+    order = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(batch, max(pages), dtype=torch.int32)
+    used = 0
+    for b, count in enumerate(pages):
+        tables[b, :count] = order[used:used + count]
+        used += count
+    keys = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    values = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(batch, rows, heads, head_dim, generator=g).to(dtype)
+    mask = torch.zeros(batch, rows, rows, dtype=torch.bool)
+    for b, size in enumerate(tree_sizes):
+        mask[b, :size, :size] = random_tree_mask(size, g)
+    args = (q, keys, values, tables, torch.tensor(prefix_lens), torch.tensor(tree_sizes), mask)
+    return tuple(a.to(DEVICE) for a in args)
+
+
+def dense_attention(q, keys, values, tables, prefix_lens, tree_sizes, mask):
+    """Gather each sequence's keys/values into one contiguous tensor and run SDPA with a full boolean mask."""
+    block_size, kv_heads = keys.shape[1], keys.shape[2]
+    out = torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        prefix, size = int(prefix_lens[b]), int(tree_sizes[b])
+        positions = torch.arange(prefix + size, device=q.device)
+        k = keys[tables[b, positions // block_size].long(), positions % block_size]
+        v = values[tables[b, positions // block_size].long(), positions % block_size]
+        full = torch.cat((torch.ones(size, prefix, dtype=torch.bool, device=q.device), mask[b, :size, :size]), 1)
+        result = torch.nn.functional.scaled_dot_product_attention(
+            q[b, :size].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=full,
+            enable_gqa=kv_heads != q.shape[2])
+        out[b, :size] = result.transpose(0, 1)
+    return out
+
+
+CASES = [  # prefix lengths, tree sizes, heads, kv heads, head dim, page size
+    ([0], [1], 2, 1, 16, 16),
+    ([5], [3], 4, 2, 16, 4),
+    ([37, 0, 64], [17, 1, 9], 6, 2, 24, 16),  # head_dim 24 pads to 32; one prefix ends on a page boundary
+    ([100, 3], [33, 2], 3, 3, 64, 32),  # no grouping; a tree larger than one query block
+    ([1], [65], 8, 1, 8, 8),
+]
+
+
+@pytest.mark.parametrize("prefix_lens, tree_sizes, heads, kv_heads, head_dim, block_size", CASES)
+def test_reference_equals_dense_attention(prefix_lens, tree_sizes, heads, kv_heads, head_dim, block_size):
+    case = make_case(prefix_lens, tree_sizes, heads, kv_heads, head_dim, block_size, seed=1)
+    torch.testing.assert_close(tree_attention_reference(*case), dense_attention(*case), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("prefix_lens, tree_sizes, heads, kv_heads, head_dim, block_size", CASES)
+def test_kernel_equals_reference(prefix_lens, tree_sizes, heads, kv_heads, head_dim, block_size):
+    case = make_case(prefix_lens, tree_sizes, heads, kv_heads, head_dim, block_size, seed=2)
+    got, want = tree_attention(*case), tree_attention_reference(*case)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for b, size in enumerate(case[5].tolist()):
+        assert not got[b, size:].any(), "padding rows write nothing but zeros"
+
+
+def test_kernel_in_bfloat16_stays_within_bfloat16_tolerance():
+    case = make_case([40, 7], [16, 5], 4, 2, 32, 16, seed=3, dtype=torch.bfloat16)
+    got = tree_attention(*case).float()
+    want = tree_attention_reference(*(a.float() if a.is_floating_point() else a for a in case)).float()
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+def test_a_node_sees_only_its_ancestors():
+    """Changing a key outside a node's ancestry leaves that node's output unchanged."""
+    q, keys, values, tables, prefix_lens, tree_sizes, _ = make_case([6], [3], 2, 1, 16, 4, seed=4)
+    chain_of_two = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool, device=DEVICE)  # 2 under 0
+    before = tree_attention(q, keys, values, tables, prefix_lens, tree_sizes, chain_of_two)
+    position = 6 + 1  # tree node 1, not an ancestor of node 2
+    keys[tables[0, position // 4].long(), position % 4] += 5.0
+    after = tree_attention(q, keys, values, tables, prefix_lens, tree_sizes, chain_of_two)
+    torch.testing.assert_close(after[0, 2], before[0, 2])
+    assert not torch.allclose(after[0, 1], before[0, 1])
+
+
+from treeserve.kernels.kv_write import kv_write, kv_write_reference  # noqa: E402
+
+
+@pytest.mark.parametrize("num_blocks, block_size, kv_heads, head_dim, rows", [
+    (3, 16, 2, 16, 5), (7, 5, 3, 24, 13), (2, 32, 1, 128, 1), (4, 8, 8, 64, 20),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_equals_reference_and_padding_rows_write_nowhere(num_blocks, block_size, kv_heads, head_dim, rows,
+                                                                   dtype):
+    g = torch.Generator().manual_seed(rows)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    keys, values = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+    new_keys = torch.randn(rows, kv_heads, head_dim, generator=g).to(dtype)
+    new_values = torch.randn(rows, kv_heads, head_dim, generator=g).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:rows]
+    slots[::3] = -1  # padding rows
+    want_keys, want_values = keys.clone(), values.clone()
+    kv_write_reference(want_keys, want_values, new_keys, new_values, slots)
+    got_keys, got_values = keys.clone().to(DEVICE), values.clone().to(DEVICE)
+    kv_write(got_keys, got_values, new_keys.to(DEVICE), new_values.to(DEVICE), slots.to(DEVICE))
+    assert torch.equal(got_keys.cpu(), want_keys) and torch.equal(got_values.cpu(), want_values)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert torch.equal(want_keys.view(-1, kv_heads, head_dim)[untouched], keys.view(-1, kv_heads, head_dim)[untouched])
