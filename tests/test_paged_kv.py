@@ -1,0 +1,69 @@
+"""The paged KV cache: blocks come and go with a request's length, and `keep` compacts accepted rows in place
+exactly as the contiguous cache does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from random_targets import tiny_config
+from treeserve.errors import TreeserveError
+from treeserve.models import KVCache
+from treeserve.models.paged_kv import PagedKVCache
+
+CFG = tiny_config("qwen3")  # 2 layers, 2 kv heads, head_dim 16
+
+
+def fill(cache: PagedKVCache, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """Write per-row keys (values negated) into every layer at `slots`."""
+    flat = cache.data.flatten(2, 3)
+    for layer in range(CFG.num_layers):
+        flat[0, layer, slots] = values + layer
+        flat[1, layer, slots] = -(values + layer)
+
+
+def read(cache: PagedKVCache, sequence) -> torch.Tensor:
+    """Every layer's keys and values of the committed rows, (2, layers, length, kv_heads, head_dim)."""
+    return cache.data.flatten(2, 3)[:, :, sequence.slots(0, sequence.length)]
+
+
+def test_keep_compacts_like_the_contiguous_cache_and_frees_rejected_blocks():
+    g = torch.Generator().manual_seed(0)
+    paged = PagedKVCache(CFG, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu")
+    contiguous = KVCache(CFG, 64, torch.float32, "cpu")
+    sequence = paged.sequence()
+    for count, kept in [(7, list(range(7))), (9, [0, 2, 5, 8]), (6, [0]), (11, [0, 1, 3, 4, 10])]:
+        rows = torch.randn(count, CFG.num_kv_heads, CFG.head_dim, generator=g)
+        fill(paged, sequence.reserve(count), rows)
+        start = contiguous.length
+        for layer in range(CFG.num_layers):
+            contiguous.keys[layer, :, start:start + count] = (rows + layer).transpose(0, 1)
+            contiguous.values[layer, :, start:start + count] = -(rows + layer).transpose(0, 1)
+        sequence.keep(kept)
+        contiguous.keep(kept)
+        assert sequence.length == contiguous.length
+        want = torch.stack((contiguous.keys[:, :, :contiguous.length], contiguous.values[:, :, :contiguous.length]))
+        assert torch.equal(read(paged, sequence), want.transpose(2, 3))
+        assert len(sequence.blocks) == -(-sequence.length // 4)  # nothing held past the committed rows
+        assert paged.allocator.free_count == 16 - len(sequence.blocks)
+    sequence.release()
+    assert paged.allocator.free_count == 16
+
+
+def test_sequences_share_the_pool_and_a_full_pool_is_a_clear_error():
+    paged = PagedKVCache(CFG, num_blocks=5, block_size=8, dtype=torch.float32, device="cpu")
+    first, second = paged.sequence(), paged.sequence()
+    first.reserve(20)  # 3 blocks
+    second.reserve(9)  # 2 blocks
+    assert set(first.blocks).isdisjoint(second.blocks) and paged.allocator.free_count == 0
+    first.keep(list(range(20)))
+    with pytest.raises(TreeserveError, match="KV cache full"):
+        first.reserve(5)  # a fourth block, and none is free
+    second.release()
+    assert first.reserve(5).tolist() == first.slots(20, 5).tolist()
+
+
+def test_blocks_that_fit_counts_every_layer_and_both_tensors():
+    per_block = 2 * CFG.num_layers * 16 * CFG.num_kv_heads * CFG.head_dim * 2  # bfloat16
+    assert PagedKVCache.blocks_that_fit(CFG, 16, torch.bfloat16, per_block * 10, fraction=1.0) == 10
+    assert PagedKVCache.blocks_that_fit(CFG, 16, torch.bfloat16, per_block * 10, fraction=0.5) == 5
