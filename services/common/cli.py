@@ -172,20 +172,10 @@ def make_drafter(args, target):
     """The drafter `generate` asked for, loaded for the target (None for plain decoding)."""
     if args.drafter == "none":
         return None
-    if args.drafter == "ngram":
-        from treeserve.drafter import NgramDrafter
+    from treeserve.drafter import load_drafter
 
-        return NgramDrafter()
-    if not args.drafter_path:
-        raise TreeserveError(f"--drafter {args.drafter} needs --drafter-path (a DFlash checkpoint folder, or a "
-                             "draft model)")
-    if args.drafter == "model":
-        from treeserve.drafter.draft_model import DraftModelDrafter
-
-        return DraftModelDrafter.load(args.drafter_path, args.device, args.dtype, target.tokenizer)
-    from treeserve.drafter.dflash import DFlashDrafter
-
-    return DFlashDrafter.for_target(args.drafter_path, target.model, args.tree)
+    return load_drafter(args.drafter, args.drafter_path, args.tree, target=target, device=args.device,
+                        dtype=args.dtype)
 
 
 def stream_text(generation) -> None:

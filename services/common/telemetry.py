@@ -103,6 +103,14 @@ def serve_metrics(listen: str, registry: CollectorRegistry):
     return server
 
 
+def start_telemetry(service: str, metrics, metrics_listen: str) -> Tracing:
+    """A service's telemetry at startup: its `metrics` served at `metrics_listen` (when given), and its tracing
+    as the OTEL_* variables ask."""
+    if metrics_listen:
+        serve_metrics(metrics_listen, metrics.registry)
+    return tracing_from_env(service)
+
+
 # Round phases take from tens of microseconds (transport on a Unix socket) to seconds (a big CPU forward).
 PHASE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -14,7 +14,7 @@ import sys
 
 from treeserve import serving, telemetry
 from treeserve.cli import OneLineErrorParser
-from treeserve.drafter.ngram import NgramDrafter
+from treeserve.drafter import load_drafter
 from treeserve.drafter.server import DrafterServicer
 from treeserve.errors import TreeserveError
 from treeserve.tree import MAX_BUDGET
@@ -86,29 +86,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_drafter(args: argparse.Namespace):
-    if args.kind == "ngram":
-        return NgramDrafter()
-    from treeserve.drafter.dflash import DFlashDrafter
-    from treeserve.drafter.draft_model import DraftModelDrafter
-    from treeserve.loading import load_target, load_tokenizer
-
-    if args.kind == "model":
-        return DraftModelDrafter.load(args.drafter_path, args.device, args.dtype, load_tokenizer(args.target))
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
-    return DFlashDrafter.for_target(args.drafter_path, target.model, args.tree)
-
-
 async def serve(args: argparse.Namespace) -> None:
-    tracing = telemetry.tracing_from_env("drafter")
     metrics = telemetry.DrafterMetrics()
-    if args.metrics_listen:
-        telemetry.serve_metrics(args.metrics_listen, metrics.registry)
+    tracing = telemetry.start_telemetry("drafter", metrics, args.metrics_listen)
     servicer = DrafterServicer(None, args.max_budget, tracing, metrics)
     service = await serving.start(args.listen, servicer.register)
     log.info("drafter %s listening on %s; loading", args.kind, service.address)
     try:
-        servicer.attach(await asyncio.to_thread(load_drafter, args))
+        servicer.attach(await asyncio.to_thread(load_drafter, args.kind, args.drafter_path, args.tree,
+                                                target_spec=args.target, device=args.device, dtype=args.dtype))
     except BaseException:
         await serving.abandon(service)
         raise

@@ -8,7 +8,6 @@ outputs equal plain decoding token for token. Writes JSON with --out and prints 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -16,17 +15,6 @@ from pathlib import Path
 
 from treeserve.cli import OneLineErrorParser
 from treeserve.errors import TreeserveError
-
-
-def read_prompts(path: Path, limit: int | None) -> list[dict]:
-    try:
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        prompts = [json.loads(line) for line in lines]
-    except (OSError, ValueError) as error:
-        raise TreeserveError(f"cannot read prompts from {path}: {error}") from None
-    if not prompts or not all(isinstance(p, dict) and p.get("prompt") for p in prompts):
-        raise TreeserveError(f"{path}: expected one JSON object with a non-empty \"prompt\" per line")
-    return prompts[:limit] if limit else prompts
 
 
 def configurations(args) -> list[tuple[str, str, int]]:
@@ -38,21 +26,21 @@ def configurations(args) -> list[tuple[str, str, int]]:
 
 
 def run(args) -> dict:
-    from treeserve.drafter import NgramDrafter
-    from treeserve.drafter.dflash import DFlashDrafter
+    from treeserve.drafter import load_drafter
+    from treeserve.drafter.corpus import encode_prompts, read_prompts
     from treeserve.loading import load_target
     from treeserve.params import GenerationParams
     from treeserve.verifier import generate
 
+    records = read_prompts(args.prompts)[:args.limit]  # a bad prompts file fails before the target loads
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     tok = target.tokenizer
-    prompts = read_prompts(args.prompts, args.limit)
-    encoded = [tok.encode_chat(p["prompt"]) if p.get("chat") else tok.encode(p["prompt"]) for p in prompts]
+    encoded = encode_prompts(tok, records)
     params = GenerationParams(max_new_tokens=args.max_new_tokens)
-    drafters = {"ngram": NgramDrafter()}
+    drafters = {"ngram": load_drafter("ngram")}
     if args.drafter_path:
         for tree in ("chain", "ddtree"):
-            drafters[tree] = DFlashDrafter.for_target(args.drafter_path, target.model, tree)
+            drafters[tree] = load_drafter("dflash", args.drafter_path, tree, target=target)
     plain = [generate(target.model, tok, ids, params).token_ids for ids in encoded]
     rows = []
     for label, kind, budget in configurations(args):

@@ -21,6 +21,7 @@ import sys
 import textwrap
 from collections import Counter
 from pathlib import Path
+from typing import Sequence
 
 from treeserve.errors import TreeserveError
 
@@ -37,6 +38,31 @@ KINDS = {
     "continue": "Continue this file:" + FENCED,
     "summarize": "Summarize this documentation:\n\n{snippet}",
 }
+
+
+def read_prompts(path: Path) -> list[dict]:
+    """A JSONL file of {"prompt": str, "chat": bool} (other keys ignored)."""
+    if not path.is_file():
+        raise TreeserveError(f"prompts file {path} not found")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise TreeserveError(f"{path}:{number}: not JSON ({error.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
+            raise TreeserveError(f'{path}:{number}: expected {{"prompt": "non-empty text", "chat": true|false}}')
+        records.append(record)
+    if not records:
+        raise TreeserveError(f"{path}: no prompts")
+    return records
+
+
+def encode_prompts(tokenizer, records: Sequence[dict]) -> list[list[int]]:
+    """Token ids of each record's prompt, through the chat template where the record says chat."""
+    return [tokenizer.encode_chat(r["prompt"]) if r.get("chat") else tokenizer.encode(r["prompt"]) for r in records]
 
 
 def excluded(relative: Path, patterns: list[str]) -> bool:

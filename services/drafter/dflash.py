@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeserve.errors import TreeserveError
-from treeserve.loading.hf_folder import config_from_hf, read_json
+from treeserve.loading.hf_folder import config_from_hf, read_json, safetensors_reader
+from treeserve.loading.weights import fill_parameters
 from treeserve.models import ModelConfig
 from treeserve.models.transformer import DecoderLayer, RMSNorm, rope_cos_sin, rotate_half
 
@@ -192,26 +193,13 @@ def load_dflash(path: str | Path, device: str | torch.device = "cpu",
     if not (folder / CONFIG_NAME).is_file():
         raise TreeserveError(f"{folder}: no DFlash checkpoint here (config.json is missing)")
     cfg = config_from_json(read_json(folder / CONFIG_NAME), str(folder / CONFIG_NAME))
-    index = folder / "model.safetensors.index.json"
-    files = sorted(set(read_json(index)["weight_map"].values())) if index.is_file() else [WEIGHTS_NAME]
-    tensors = {}
-    for name in files:
-        try:
-            with safetensors.safe_open(folder / name, framework="pt") as f:
-                tensors.update({key: f.get_tensor(key) for key in f.keys()})
-        except (OSError, safetensors.SafetensorError) as error:
-            raise TreeserveError(f"{folder / name}: cannot read safetensors ({error})") from None
     with torch.device("meta"):
         model = DFlashModel(cfg)
-    state = {}
-    for name, param in model.named_parameters():
-        if name not in tensors:
-            raise TreeserveError(f"{folder}: missing tensor {name}")
-        if tuple(tensors[name].shape) != tuple(param.shape):
-            raise TreeserveError(f"{folder}: tensor {name} has shape {tuple(tensors[name].shape)}, expected "
-                                 f"{tuple(param.shape)} from config.json")
-        state[name] = tensors[name].to(device=device, dtype=dtype)
-    model.load_state_dict(state, strict=False, assign=True)
+    try:
+        names, read = safetensors_reader(folder)
+        fill_parameters(model, names, read, str(folder), dtype, device)
+    except (safetensors.SafetensorError, OSError) as error:
+        raise TreeserveError(f"{folder}: cannot read weights, the file is truncated or corrupt ({error})") from None
     model.rope_inv_freq = cfg.layers.rope_inv_freq().float().to(device)
     return model.eval().requires_grad_(False)
 

@@ -28,6 +28,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from treeserve.drafter.corpus import encode_prompts, read_prompts
 from treeserve.drafter.dflash import DFlashConfig, DFlashModel, default_target_layer_ids, save_dflash
 from treeserve.errors import TreeserveError
 from treeserve.models import DecoderLM, ModelConfig
@@ -254,30 +255,6 @@ def pad_tokens(samples: Sequence[Sample]) -> torch.Tensor:
 
 def usable(sample: Sample, block_size: int) -> bool:
     return len(sample.tokens) - block_size - max(sample.prompt_length, 1) + 1 > 0
-
-
-def read_prompts(path: Path) -> list[dict]:
-    """A JSONL file of {"prompt": str, "chat": bool} (other keys ignored)."""
-    if not path.is_file():
-        raise TreeserveError(f"prompts file {path} not found")
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise TreeserveError(f"{path}:{number}: not JSON ({error.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
-            raise TreeserveError(f'{path}:{number}: expected {{"prompt": "non-empty text", "chat": true|false}}')
-        records.append(record)
-    if not records:
-        raise TreeserveError(f"{path}: no prompts")
-    return records
-
-
-def encode_prompts(tokenizer: Tokenizer, records: Sequence[dict]) -> list[list[int]]:
-    return [tokenizer.encode_chat(r["prompt"]) if r.get("chat") else tokenizer.encode(r["prompt"]) for r in records]
 
 
 class PaddedDecodeAttention:

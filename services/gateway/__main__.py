@@ -56,10 +56,8 @@ async def serve(args, tokenizer) -> None:
     from treeserve.gateway.server import GatewayServicer, serve as start_gateway
     from treeserve.serving import run_until_signalled
 
-    tracing = telemetry.tracing_from_env("gateway")
     metrics = telemetry.GatewayMetrics()
-    if args.metrics_listen:
-        telemetry.serve_metrics(args.metrics_listen, metrics.registry)
+    tracing = telemetry.start_telemetry("gateway", metrics, args.metrics_listen)
     servicer = GatewayServicer(tokenizer, args.verifier, args.max_inflight, args.default_max_new_tokens, tracing,
                                metrics)
     service, ready = await start_gateway(args.listen, servicer)

@@ -54,10 +54,8 @@ async def serve(args) -> None:
     from treeserve.verifier.drafter_link import DrafterLink, expand_drafter_addresses
     from treeserve.verifier.server import VerifierServicer
 
-    tracing = telemetry.tracing_from_env("verifier")
     metrics = telemetry.VerifierMetrics()
-    if args.metrics_listen:
-        telemetry.serve_metrics(args.metrics_listen, metrics.registry)
+    tracing = telemetry.start_telemetry("verifier", metrics, args.metrics_listen)
     links = [DrafterLink(address, args.draft_timeout_s) for address in expand_drafter_addresses(args.drafter)]
     servicer = VerifierServicer(args.target, links, args.default_budget, args.default_max_new_tokens, args.max_batch,
                                 tracing, metrics)

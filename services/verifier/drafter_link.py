@@ -53,8 +53,8 @@ class DraftRound:
     trees: dict[str, DraftTree]
     propose_s: float = 0.0  # the drafter's compute, as it reports it
     round_trip_s: float = 0.0  # write to read on the stream; minus propose_s, this is transport
-    request_bytes: int = 0  # serialized sizes of the two messages
-    response_bytes: int = 0
+    request: drafter_pb2.DraftRequest | None = None  # the two messages, for whoever measures their size
+    response: drafter_pb2.DraftResponse | None = None
 
 
 class DrafterLink:
@@ -121,11 +121,12 @@ class DrafterLink:
             if reply is grpc.aio.EOF or reply.round != self.round:
                 raise ConnectionError("the stream ended or answered out of turn")
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError, asyncio.InvalidStateError) as error:
-            self._down(f"round failed: {type(error).__name__}: {getattr(error, 'code', lambda: error)()}")
+            detail = error.code().name if isinstance(error, grpc.aio.AioRpcError) else error
+            self._down(f"round failed: {type(error).__name__}: {detail}")
             return DraftRound({})
         round_trip_s = time.perf_counter() - started
         trees = {tree.request_id: DraftTree(list(tree.token_ids), list(tree.parents)) for tree in reply.trees}
-        return DraftRound(trees, reply.propose_seconds, round_trip_s, message.ByteSize(), reply.ByteSize())
+        return DraftRound(trees, reply.propose_seconds, round_trip_s, message, reply)
 
     def _down(self, why: str) -> None:
         if self.call is not None:

@@ -86,12 +86,12 @@ class Generation:
     `apply(plan, logits, features)` for each.
 
     `feature_layer_ids` (the local drafter's, or a remote drafter's for a server) makes each apply keep
-    `last_features`: the target's hidden states for the tokens it moved into the KV cache. A server also keeps
-    them all (`keep_features`), to resend a drafter that lost its context."""
+    `last_features`: the target's hidden states for the tokens it moved into the KV cache. Given feature layers
+    without a local drafter (a server's request, drafted remotely), it keeps them all (`keep_features`), to
+    resend a drafter that lost its context."""
 
     def __init__(self, model: DecoderLM, tokenizer: Tokenizer, prompt_ids: list[int], params: GenerationParams,
-                 drafter: Drafter | None = None, budget: int = 0, feature_layer_ids: tuple[int, ...] = (),
-                 keep_features: bool = False):
+                 drafter: Drafter | None = None, budget: int = 0, feature_layer_ids: tuple[int, ...] = ()):
         params.validate()
         cfg = model.config
         if not prompt_ids:
@@ -114,7 +114,7 @@ class Generation:
             raise TreeserveError(f"the drafter asks for target layer {bad_layers[0]}, but the target has "
                                  f"{cfg.num_layers} layers")
         self.last_features: torch.Tensor | None = None
-        self.keep_features = keep_features and bool(self.feature_layer_ids)
+        self.keep_features = drafter is None and bool(self.feature_layer_ids)
         self.feature_chunks: list[torch.Tensor] = []  # on the CPU, when keep_features
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []

@@ -237,7 +237,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             # A speculating request keeps its target features in case its drafter conditions on them.
             features = self.scheduler.feature_layer_ids if budget > 0 else ()
             generation = Generation(target.model, target.tokenizer, list(request.prompt_token_ids), params,
-                                    None, budget, features, keep_features=True)
+                                    None, budget, features)
         except TreeserveError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         request_id = f"{request.request_id or 'request'}-{uuid.uuid4().hex[:8]}"

@@ -8,20 +8,16 @@ each response. Prints one table row per batch size and writes the figures as JSO
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from treeserve.cli import OneLineErrorParser
 from treeserve.errors import TreeserveError
-from treeserve.launcher import is_serving
+from treeserve.launcher import Stack
 
 
 class SyntheticRequest:
@@ -70,8 +66,8 @@ async def measure(address: str, batch: int, rounds: int, warmup: int, budget: in
                 round_trip.append(found.round_trip_s)
                 propose.append(found.propose_s)
                 transport.append(found.round_trip_s - found.propose_s)
-                sent.append(found.request_bytes)
-                received.append(found.response_bytes)
+                sent.append(found.request.ByteSize())
+                received.append(found.response.ByteSize())
             for request in requests.values():
                 request.commit()
     finally:
@@ -82,19 +78,6 @@ async def measure(address: str, batch: int, rounds: int, warmup: int, budget: in
             "transport_p50_us": percentile(transport, 50) * us, "transport_p99_us": percentile(transport, 99) * us,
             "round_trip_p50_us": percentile(round_trip, 50) * us, "round_trip_p99_us": percentile(round_trip, 99) * us,
             "drafter_compute_p50_us": percentile(propose, 50) * us}
-
-
-def start_drafter(folder: Path) -> tuple[subprocess.Popen, str]:
-    address = f"unix://{folder}/drafter.sock"
-    process = subprocess.Popen([sys.executable, "-m", "treeserve.drafter", "--listen", address,
-                                "--log-level", "WARNING"])
-    deadline = time.monotonic() + 120
-    while not is_serving(address):
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise TreeserveError("the drafter did not start")
-        time.sleep(0.2)
-    return process, address
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,9 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     from treeserve import serving
 
     with tempfile.TemporaryDirectory(prefix="treeserve-bench-") as folder:
-        process, address = (None, serving.normalize_address(args.drafter)) if args.drafter else start_drafter(
-            Path(folder))
+        stack = Stack(Path(folder))  # a drafter of our own, unless --drafter names one
         try:
+            if args.drafter:
+                address = serving.normalize_address(args.drafter)
+            else:
+                address = stack.start("drafter", ["--log-level", "WARNING"])
+                stack.wait_serving(timeout_s=120)
             results = []
 
             async def run_all():
@@ -129,9 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"transport_bench: error: {error}", file=sys.stderr)
             return 1
         finally:
-            if process is not None:
-                process.terminate()
-                process.wait()
+            stack.stop(grace_s=1)
     print("| batch | request bytes | response bytes | transport p50 (us) | transport p99 (us) "
           "| round trip p50 (us) | round trip p99 (us) | drafter compute p50 (us) |")
     print("|---|---|---|---|---|---|---|---|")

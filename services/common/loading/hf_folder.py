@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import safetensors
 import tokenizers
@@ -104,7 +105,7 @@ def load_hf_tokenizer(folder: Path, model_raw: dict) -> Tokenizer:
                      template if isinstance(template, str) else None)
 
 
-def _weight_files(folder: Path) -> list[Path]:
+def weight_files(folder: Path) -> list[Path]:
     single = folder / "model.safetensors"
     if single.is_file():
         return [single]
@@ -126,15 +127,21 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, device) -> tuple[DecoderLM,
     cfg = config_from_hf(raw)
     cfg.validate()
     tokenizer = load_hf_tokenizer(folder, raw)
-    location: dict[str, Path] = {}
-    handles = {}
     try:
-        for path in _weight_files(folder):
-            handles[path] = safetensors.safe_open(str(path), framework="pt")
-            for name in handles[path].keys():
-                location[name] = path
-        model = build_model(cfg, location, lambda name: handles[location[name]].get_tensor(name),
-                            str(folder), dtype, device)
+        names, read = safetensors_reader(folder)
+        model = build_model(cfg, names, read, str(folder), dtype, device)
     except (safetensors.SafetensorError, OSError) as error:
         raise TreeserveError(f"{folder}: cannot read weights, the file is truncated or corrupt ({error})") from None
     return model, tokenizer
+
+
+def safetensors_reader(folder: Path) -> tuple[set[str], Callable[[str], torch.Tensor]]:
+    """The tensor names in the folder's model.safetensors (or its shards), and a reader of one tensor by name.
+    Reading raises safetensors.SafetensorError or OSError for a truncated or corrupt file."""
+    location: dict[str, Path] = {}
+    handles = {}
+    for path in weight_files(folder):
+        handles[path] = safetensors.safe_open(str(path), framework="pt")
+        for name in handles[path].keys():
+            location[name] = path
+    return set(location), lambda name: handles[location[name]].get_tensor(name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
+from torch import nn
 
 from treeserve.errors import TreeserveError
 from treeserve.models import DecoderLM, ModelConfig
@@ -18,12 +19,21 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> DecoderLM:
-    """Create the model without initialising it, then fill every parameter from `read(name)` (HF names).
+    """Create the model without initialising it, then fill every parameter from `read(name)` (HF names)."""
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    fill_parameters(model, names, read, source, dtype, device)
+    model.tie_weights()
+    model.rope_inv_freq = cfg.rope_inv_freq().float().to(device)
+    return model.eval().requires_grad_(False)
+
+
+def fill_parameters(model: nn.Module, names: Iterable[str], read: Callable[[str], torch.Tensor], source: str,
+                    dtype: torch.dtype, device: torch.device | str) -> None:
+    """Give every parameter of `model` (made on the meta device) its tensor `read(name)`, as `dtype` on `device`.
 
     Missing or mis-shaped tensors raise one error naming them; tensors the model has no use for are ignored.
     """
-    with torch.device("meta"):
-        model = DecoderLM(cfg)
     available = set(names)
     expected = dict(model.named_parameters())  # a tied LM head is listed once, under the embedding
     missing = sorted(name for name in expected if name not in available)
@@ -38,6 +48,3 @@ def build_model(
                                  f"expected {tuple(param.shape)} from the model config")
         state[name] = tensor.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights()
-    model.rope_inv_freq = cfg.rope_inv_freq().float().to(device)
-    return model.eval().requires_grad_(False)
