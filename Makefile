@@ -23,7 +23,7 @@ $(VENV)/.setup-test-done: $(VENV)/.setup-done
 	touch $@
 
 run: setup
-	$(VENV)/bin/treeserve up --target smollm2-135m --drafter ngram --demo-prompt "$$(printf '$(DEMO_PROMPT)')"
+	$(VENV)/bin/treeserve up --target smollm2-135m --demo-prompt "$$(printf '$(DEMO_PROMPT)')"
 
 test: setup-test
 	$(PYTHON) -m pytest -q

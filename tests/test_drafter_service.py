@@ -162,14 +162,17 @@ def test_flags_from_the_environment(monkeypatch):
     monkeypatch.setenv("TREESERVE_DRAFTER_LISTEN", "unix:///run/x.sock")
     monkeypatch.setenv("TREESERVE_DRAFTER_MAX_BUDGET", "64")
     args = parse_args(["--grace-s", "2.5"])
-    assert (args.listen, args.max_budget, args.grace_s, args.kind) == ("unix:///run/x.sock", 64, 2.5, "ngram")
+    # --kind auto resolves to the DFlash drafter shipped for the default target.
+    assert (args.listen, args.max_budget, args.grace_s, args.kind) == ("unix:///run/x.sock", 64, 2.5, "dflash")
+    monkeypatch.setenv("TREESERVE_DRAFTER_TARGET", "some/hf-folder")
+    assert parse_args([]).kind == "ngram"  # no drafter ships for it
     assert parse_args(["--max-budget", "3"]).max_budget == 3  # the command line wins
     monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/7")
     assert default_address("drafter") == "unix:///run/user/7/treeserve/drafter.sock"
 
 
 @pytest.mark.parametrize("argv, code", [
-    (["--max-budget", "0"], 2), (["--kind", "dflash"], 2), (["--kind", "model"], 2), (["--kind", "medusa"], 2),
+    (["--max-budget", "0"], 2), (["--kind", "model"], 2), (["--kind", "medusa"], 2),
     (["--tree", "bush"], 2), (["--grace-s", "soon"], 2), (["--bogus"], 2), (["--listen", "nowhere"], 1),
     (["--kind", "dflash", "--drafter-path", "/nonexistent", "--listen", "unix:///tmp/ts-bad-flags.sock"], 1),
 ])
@@ -188,7 +191,7 @@ def test_subprocess_serves_then_drains_on_sigterm(tmp_path):
     socket = tmp_path / "d.sock"
     grace_s = 2.0  # leaves time for a round during the drain, even on a busy machine
     process = subprocess.Popen([sys.executable, "-m", "treeserve.drafter", "--listen", f"unix://{socket}",
-                                "--grace-s", str(grace_s)], stderr=subprocess.PIPE, text=True)
+                                "--kind", "ngram", "--grace-s", str(grace_s)], stderr=subprocess.PIPE, text=True)
 
     async def client():
         # Retry the connection every 0.1 s while the socket is not there yet (gRPC's default backoff grows to 2 min).

@@ -87,7 +87,7 @@ class Services:
         self.verifier_metrics = free_port()
 
     def start_drafter(self) -> str:
-        self.drafter = self.stack.start("drafter", ["--grace-s", "1"])
+        self.drafter = self.stack.start("drafter", ["--kind", "ngram", "--grace-s", "1"])
         wait_for(lambda: health(self.drafter) == SERVING, what="the drafter")
         return self.drafter
 

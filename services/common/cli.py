@@ -11,8 +11,14 @@ from treeserve.errors import TreeserveError
 from treeserve.params import GenerationParams
 from treeserve.tree import MAX_BUDGET
 
-DRAFTERS = ("none", "ngram", "dflash", "model")
+DRAFTERS = ("auto", "none", "ngram", "dflash", "model")
 TREES = ("chain", "ddtree")
+DRAFTER_HELP = ("auto (default): the DFlash drafter shipped for the target (smollm2-135m) with --tree, else ngram; "
+                "none: plain autoregressive decoding; ngram: prompt-lookup trees; dflash: a DFlash block drafter; "
+                "model: a small LM at --drafter-path")
+DRAFTER_PATH_HELP = ("dflash: a DFlash checkpoint folder (config.json + model.safetensors; default: the one "
+                     "shipped for the target); model: a draft model with the target's tokenizer (name, HF folder, "
+                     ".gguf)")
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -48,12 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--target", default="smollm2-135m",
                      help="model name (smollm2-135m), Hugging Face model folder, or .gguf file "
                           "(default smollm2-135m)")
-    gen.add_argument("--drafter", choices=DRAFTERS, default="ngram",
-                     help="none: plain autoregressive decoding; ngram: prompt-lookup trees (default); dflash: "
-                          "the DFlash block drafter at --drafter-path; model: the small LM at --drafter-path")
-    gen.add_argument("--drafter-path", help="dflash: a DFlash checkpoint folder (config.json + model.safetensors); "
-                                            "model: a draft model with the target's tokenizer (name, HF folder, "
-                                            ".gguf)")
+    gen.add_argument("--drafter", choices=DRAFTERS, default="auto", help=DRAFTER_HELP)
+    gen.add_argument("--drafter-path", help=DRAFTER_PATH_HELP)
     gen.add_argument("--tree", choices=TREES, default="ddtree",
                      help="how a DFlash drafter builds trees: chain (its argmax path) or ddtree (the best tree "
                           "for the budget; default)")
@@ -74,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Start the three services on this machine (Unix sockets in a runtime "
                                          "folder), wait until they serve, print the gateway address; Ctrl-C stops all.")
     up.add_argument("--target", default="smollm2-135m", help="model name, HF folder or .gguf (default smollm2-135m)")
-    up.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="default ngram; none: plain decoding")
-    up.add_argument("--drafter-path", help="--drafter dflash: the DFlash checkpoint folder; model: the draft model")
+    up.add_argument("--drafter", choices=DRAFTERS, default="auto", help=DRAFTER_HELP)
+    up.add_argument("--drafter-path", help=DRAFTER_PATH_HELP)
     up.add_argument("--tree", choices=TREES, default="ddtree", help="--drafter dflash: chain or ddtree (default)")
     up.add_argument("--budget", type=int, default=16, help=f"default tree budget, 1 to {MAX_BUDGET} (default 16)")
     up.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -178,6 +180,13 @@ def make_drafter(args, target):
                         dtype=args.dtype)
 
 
+def resolved_drafter(args) -> str:
+    """--drafter with auto resolved for --target (without importing torch)."""
+    from treeserve.drafter import resolve_kind
+
+    return resolve_kind(args.drafter, args.target)
+
+
 def stream_text(generation) -> None:
     """Run the generation to the end, printing text as it settles."""
     from treeserve.detokenize import TextStream
@@ -198,6 +207,7 @@ def run_generate(args) -> int:
     from treeserve.loading import load_target
     from treeserve.verifier import Generation
 
+    args.drafter = resolved_drafter(args)
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     drafter = make_drafter(args, target)
     tokenizer = target.tokenizer
@@ -241,8 +251,9 @@ def run_client(args) -> int:
 def run_up_command(args) -> int:
     if not 1 <= args.budget <= MAX_BUDGET:
         raise TreeserveError(f"--budget must be between 1 and {MAX_BUDGET}, got {args.budget}")
-    if args.drafter in ("dflash", "model") and not args.drafter_path:
-        raise TreeserveError(f"--drafter {args.drafter} needs --drafter-path")
+    args.drafter = resolved_drafter(args)
+    if args.drafter == "model" and not args.drafter_path:
+        raise TreeserveError("--drafter model needs --drafter-path")
     from treeserve.launcher import run_up
 
     return run_up(args)

@@ -97,10 +97,10 @@ def run_up(args) -> int:
         verifier_args = ["--target", args.target, "--device", args.device, "--dtype", args.dtype,
                          "--default-budget", str(args.budget), "--grace-s", str(args.grace_s)]
         if args.drafter != "none":
-            drafter_args = ["--kind", args.drafter, "--grace-s", str(args.grace_s)]
-            if args.drafter in ("dflash", "model"):
-                drafter_args += ["--drafter-path", args.drafter_path, "--tree", args.tree, "--target", args.target,
-                                 "--device", args.device, "--dtype", args.dtype]
+            drafter_args = ["--kind", args.drafter, "--grace-s", str(args.grace_s), "--tree", args.tree,
+                            "--target", args.target, "--device", args.device, "--dtype", args.dtype]
+            if args.drafter_path:
+                drafter_args += ["--drafter-path", args.drafter_path]
             verifier_args += ["--drafter", stack.start("drafter", drafter_args)]
         verifier = stack.start("verifier", verifier_args)
         gateway = stack.start("gateway", ["--target", args.target, "--verifier", verifier,

@@ -1,22 +1,46 @@
+from pathlib import Path
+
 from treeserve.drafter.ngram import NgramDrafter
 
-__all__ = ["NgramDrafter", "load_drafter"]
+__all__ = ["NgramDrafter", "load_drafter", "resolve_kind", "shipped_dflash"]
+
+# DFlash drafters trained by this project and shipped in the package: target name -> checkpoint folder.
+SHIPPED_DFLASH = {"smollm2-135m": Path(__file__).parent / "checkpoints" / "smollm2-135m"}
+
+
+def shipped_dflash(target_spec: str | None) -> Path | None:
+    """The DFlash checkpoint shipped for this target name, or None."""
+    return SHIPPED_DFLASH.get(target_spec or "")
+
+
+def resolve_kind(kind: str, target_spec: str | None) -> str:
+    """`auto` is the target's shipped DFlash drafter where one ships, else n-gram; other kinds stay."""
+    if kind != "auto":
+        return kind
+    return "dflash" if shipped_dflash(target_spec) else "ngram"
 
 
 def load_drafter(kind: str, path: str | None = None, tree: str = "ddtree", *, target=None,
                  target_spec: str | None = None, device: str = "cpu", dtype: str = "float32"):
-    """A drafter by kind (ngram, dflash, model) for a target: `target` when it is already loaded (a
+    """A drafter by kind (auto, ngram, dflash, model) for a target: `target` when it is already loaded (a
     LoadedModel), else `target_spec`, of which a DFlash drafter loads the weights it borrows and a draft model
-    only the tokenizer it must share. `path` is the DFlash checkpoint or the draft model."""
+    only the tokenizer it must share. `path` is the DFlash checkpoint (default: the one shipped for the target)
+    or the draft model."""
     from treeserve.errors import TreeserveError
 
+    spec = target.name if target is not None else target_spec
+    kind = resolve_kind(kind, spec)
     if kind == "ngram":
         return NgramDrafter()
     if kind not in ("dflash", "model"):
-        raise TreeserveError(f"unknown drafter kind {kind!r} (use ngram, dflash or model)")
+        raise TreeserveError(f"unknown drafter kind {kind!r} (use auto, ngram, dflash or model)")
+    if kind == "dflash" and not path:
+        path = shipped_dflash(spec)
+        if path is None:
+            raise TreeserveError(f"no DFlash drafter ships for target {spec!r}: train one with `treeserve "
+                                 "train-drafter` and pass its folder as --drafter-path")
     if not path:
-        raise TreeserveError(f"the {kind} drafter needs --drafter-path (a DFlash checkpoint folder, or a draft "
-                             "model)")
+        raise TreeserveError("the model drafter needs --drafter-path (a draft model sharing the target's tokenizer)")
     from treeserve.loading import load_target, load_tokenizer
 
     if kind == "model":

@@ -14,13 +14,13 @@ import sys
 
 from treeserve import serving, telemetry
 from treeserve.cli import OneLineErrorParser
-from treeserve.drafter import load_drafter
+from treeserve.drafter import load_drafter, resolve_kind
 from treeserve.drafter.server import DrafterServicer
 from treeserve.errors import TreeserveError
 from treeserve.tree import MAX_BUDGET
 
 PROG = "python -m treeserve.drafter"
-KINDS = ("ngram", "dflash", "model")
+KINDS = ("auto", "ngram", "dflash", "model")
 TREES = ("chain", "ddtree")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -48,11 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 "TREESERVE_DRAFTER_LISTEN.")
     parser.add_argument("--listen", default=env("listen", serving.default_address("drafter")),
                         help="unix:///path/to.sock or host:port (default %(default)s)")
-    parser.add_argument("--kind", default=env("kind", "ngram"),
-                        help="ngram: prompt-lookup trees (default); dflash: the DFlash block drafter at "
-                             "--drafter-path; model: the small LM at --drafter-path")
+    parser.add_argument("--kind", default=env("kind", "auto"),
+                        help="auto (default): the DFlash drafter shipped for --target (smollm2-135m), else ngram; "
+                             "ngram: prompt-lookup trees; dflash: a DFlash block drafter; model: the small LM at "
+                             "--drafter-path")
     parser.add_argument("--drafter-path", default=env("drafter-path"),
-                        help="dflash: the checkpoint folder; model: the draft model (name, HF folder, .gguf)")
+                        help="dflash: the checkpoint folder (default: the one shipped for --target); model: the "
+                             "draft model (name, HF folder, .gguf)")
     parser.add_argument("--target", default=env("target", "smollm2-135m"),
                         help="dflash, model: the verifier's model (name, HF folder or .gguf); DFlash uses its "
                              "embedding and LM head, a draft model must share its tokenizer (default %(default)s)")
@@ -81,8 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  ("--dtype", args.dtype, ("float32", "bfloat16"))):
         if value not in allowed:
             parser.error(f"argument {flag}: invalid choice {value!r} (choose from {', '.join(allowed)})")
-    if args.kind in ("dflash", "model") and not args.drafter_path:
-        parser.error(f"--kind {args.kind} needs --drafter-path")
+    if args.kind == "model" and not args.drafter_path:
+        parser.error("--kind model needs --drafter-path")
+    args.kind = resolve_kind(args.kind, args.target)
     return args
 
 

@@ -43,6 +43,10 @@ def run(args) -> dict:
             drafters[tree] = load_drafter("dflash", args.drafter_path, tree, target=target)
     plain = [generate(target.model, tok, ids, params).token_ids for ids in encoded]
     rows = []
+    results = {"command": " ".join(["python -m treeserve.drafter.acceptance_bench", *args.argv]),
+               "target": args.target, "drafter_path": str(args.drafter_path or ""),
+               "device": args.device, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+               "prompts_file": str(args.prompts), "rows": rows}
     for label, kind, budget in configurations(args):
         started, rounds, tokens, identical = time.perf_counter(), 0, 0, 0
         for ids, reference in zip(encoded, plain):
@@ -54,9 +58,9 @@ def run(args) -> dict:
                      "seconds": round(time.perf_counter() - started, 2)})
         print(f"{label} budget {budget}: {rows[-1]['mean_accepted']:.2f} tokens/round, {identical}/{len(encoded)} "
               "identical to plain", file=sys.stderr, flush=True)
-    return {"target": args.target, "drafter_path": str(args.drafter_path or ""), "device": args.device,
-            "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "prompts_file": str(args.prompts),
-            "rows": rows}
+        if args.out:  # after every row, so that a run cut short keeps what it measured
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     args = parser.parse_args(argv)
+    args.argv = argv if argv is not None else sys.argv[1:]
     try:
         args.budgets = [int(b) for b in args.budgets.split(",")]
     except ValueError:
@@ -80,15 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     except TreeserveError as error:
         print(f"acceptance_bench: error: {error}", file=sys.stderr)
         return 1
-    results["command"] = " ".join(["python -m treeserve.drafter.acceptance_bench",
-                                   *(argv if argv is not None else sys.argv[1:])])
     print("| drafter | budget | mean accepted | identical to plain |")
     print("|---|---|---|---|")
     for row in results["rows"]:
         print(f"| {row['drafter']} | {row['budget']} | {row['mean_accepted']:.2f} | "
               f"{row['identical_to_plain']}/{row['prompts']} |")
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 
