@@ -11,16 +11,6 @@ import triton
 import triton.language as tl
 
 
-def kv_write_reference(keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor,
-                       slots: torch.Tensor) -> None:
-    """In place: keys/values (num_blocks, block_size, kv_heads, head_dim); new_* (N, kv_heads, head_dim), of the
-    cache's dtype."""
-    real = slots >= 0
-    flat_keys, flat_values = keys.view(-1, *keys.shape[2:]), values.view(-1, *values.shape[2:])
-    flat_keys[slots[real].long()] = new_keys[real]
-    flat_values[slots[real].long()] = new_values[real]
-
-
 @triton.jit
 def _kv_write_kernel(keys_ptr, values_ptr, new_keys_ptr, new_values_ptr, slots_ptr, stride_new_keys,
                      stride_new_values, ROW_SIZE: tl.constexpr, BLOCK: tl.constexpr):
@@ -39,7 +29,7 @@ def _kv_write_kernel(keys_ptr, values_ptr, new_keys_ptr, new_values_ptr, slots_p
 
 def kv_write(keys: torch.Tensor, values: torch.Tensor, new_keys: torch.Tensor, new_values: torch.Tensor,
              slots: torch.Tensor) -> None:
-    """The Triton kernel for `kv_write_reference` (same arguments): one program per new row."""
+    """The Triton kernel for `references.kv_write_reference` (same arguments): one program per new row."""
     if not (keys.is_contiguous() and values.is_contiguous()):
         raise ValueError("the cache must be contiguous")
     if new_keys.dtype != keys.dtype or new_values.dtype != values.dtype:

@@ -19,31 +19,6 @@ import triton
 import triton.language as tl
 
 
-def tree_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
-                             prefix_lens: torch.Tensor, tree_sizes: torch.Tensor, tree_mask: torch.Tensor,
-                             scale: float | None = None) -> torch.Tensor:
-    """q (B, T, H, D) -> (B, T, H, D), in float32 math, one sequence at a time (the definition, not fast)."""
-    batch, rows, heads, head_dim = q.shape
-    block_size, kv_heads = keys.shape[1], keys.shape[2]
-    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
-    out = torch.zeros(batch, rows, heads, head_dim, dtype=torch.float32, device=q.device)
-    for b in range(batch):
-        prefix, size = int(prefix_lens[b]), int(tree_sizes[b])
-        length = prefix + size
-        positions = torch.arange(length, device=q.device)
-        blocks = block_tables[b, positions // block_size].long()
-        k = keys[blocks, positions % block_size].float()  # (L, KVH, D)
-        v = values[blocks, positions % block_size].float()
-        visible = torch.ones(size, length, dtype=torch.bool, device=q.device)
-        visible[:, prefix:] = tree_mask[b, :size, :size]
-        for h in range(heads):
-            kv = h // (heads // kv_heads)
-            scores = (q[b, :size, h].float() @ k[:, kv].T) * scale
-            scores = scores.masked_fill(~visible, float("-inf"))
-            out[b, :size, h] = scores.softmax(dim=-1) @ v[:, kv]
-    return out.to(q.dtype)
-
-
 @triton.jit
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, prefix_ptr, size_ptr, mask_ptr, scale,
@@ -109,7 +84,8 @@ def _tree_attention_kernel(
 def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
                    prefix_lens: torch.Tensor, tree_sizes: torch.Tensor, tree_mask: torch.Tensor,
                    scale: float | None = None, block_t: int = 16, block_n: int = 32) -> torch.Tensor:
-    """The Triton kernel for `tree_attention_reference` (same arguments); padding rows come out zero."""
+    """The Triton kernel for `references.tree_attention_reference` (same arguments); padding rows come out
+    zero."""
     batch, rows, heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = keys.shape
     if heads % kv_heads:

@@ -1,6 +1,7 @@
 """The engine on a CUDA device (run on the GPU host; skipped where there is none).
 
-float32: greedy speculative output equals plain greedy output exactly. bfloat16: a tree forward and a
+float32: greedy speculative output equals plain greedy output exactly, with each request's contiguous KV cache
+and with a paged pool read by the Triton kernels. bfloat16: a tree forward and a
 one-token forward round differently, so outputs may part ways, but only where the target's top two tokens
 are within bfloat16 noise of each other: every divergence is checked to be such a near-tie.
 """
@@ -16,6 +17,7 @@ import torch
 from random_targets import ENGINE_FAMILIES, RandomTreeDrafter, random_target, word_tokenizer
 from treeserve.drafter import NgramDrafter
 from treeserve.models import KVCache, TreeAttention
+from treeserve.models.paged_kv import PagedKVCache
 from treeserve.params import GenerationParams
 from treeserve.verifier import generate
 
@@ -51,7 +53,8 @@ def assert_equal_or_near_tie(model, prompt, reference, output, tolerance):
 
 @pytest.mark.parametrize("case", ENGINE_FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_speculation_on_cuda(case, dtype):
+@pytest.mark.parametrize("kv", ["contiguous", "paged"])
+def test_greedy_speculation_on_cuda(case, dtype, kv):
     model = random_target(case, seed=1, vocab_size=VOCAB, weight_scale=2.0).to("cuda", dtype)
     tokenizer = word_tokenizer(VOCAB)
     params = GenerationParams(max_new_tokens=24)
@@ -61,7 +64,10 @@ def test_greedy_speculation_on_cuda(case, dtype):
         reference = generate(model, tokenizer, prompt, params).token_ids
         for budget in (1, 4, 16, 32, 64, 128):
             drafter = RandomTreeDrafter(oracle(prompt, reference), VOCAB, seed=budget + p)
-            output = generate(model, tokenizer, prompt, params, drafter, budget).token_ids
+            pool = PagedKVCache(model.config, 64, 16, dtype, "cuda") if kv == "paged" else None
+            output = generate(model, tokenizer, prompt, params, drafter, budget, kv_pool=pool).token_ids
+            if pool is not None:
+                assert pool.allocator.free_count == 64
             if dtype == torch.float32:
                 assert output == reference, f"{case} budget {budget}"
             else:

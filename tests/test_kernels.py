@@ -12,7 +12,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on the CPU
 
 triton = pytest.importorskip("triton")
-from treeserve.kernels.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
+from treeserve.kernels.references import kv_write_reference, tree_attention_reference  # noqa: E402
+from treeserve.kernels.tree_attention import tree_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -109,7 +110,7 @@ def test_a_node_sees_only_its_ancestors():
     assert not torch.allclose(after[0, 1], before[0, 1])
 
 
-from treeserve.kernels.kv_write import kv_write, kv_write_reference  # noqa: E402
+from treeserve.kernels.kv_write import kv_write  # noqa: E402
 
 
 @pytest.mark.parametrize("num_blocks, block_size, kv_heads, head_dim, rows", [
@@ -133,3 +134,48 @@ def test_kv_write_equals_reference_and_padding_rows_write_nowhere(num_blocks, bl
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
     assert torch.equal(want_keys.view(-1, kv_heads, head_dim)[untouched], keys.view(-1, kv_heads, head_dim)[untouched])
+
+
+# ------------------------------------------------------------------------------- a model over the paged cache
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["references", "kernels"])
+def test_model_over_the_paged_cache_equals_the_contiguous_cache(kernels):
+    """Three requests of different lengths: a batched prefill, then two rounds of trees with part of each tree
+    kept, give the same logits through PagedBatchAttention (blocks of 4, pages shared) as through each request's
+    contiguous KVCache, and rejected rows leave no blocks behind."""
+    from random_targets import random_target
+    from treeserve.models.kv_cache import BatchAttention, KVCache, TreeAttention
+    from treeserve.models.paged_kv import PagedBatchAttention, PagedKVCache
+
+    model = random_target("qwen2", seed=5, weight_scale=2.0)  # GQA, biases
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    paged = PagedKVCache(cfg, num_blocks=24, block_size=4, dtype=torch.float32, device="cpu")
+    sequences = [paged.sequence() for _ in range(3)]
+    caches = [KVCache(cfg, 64, torch.float32, "cpu") for _ in range(3)]
+
+    def forward_both(tokens: list[torch.Tensor], masks: list[torch.Tensor], depths: list[torch.Tensor]):
+        ids = torch.cat(tokens)
+        positions = torch.cat([c.length + d for c, d in zip(caches, depths)])
+        want, _ = model(ids, positions, BatchAttention([TreeAttention(c, m) for c, m in zip(caches, masks)]))
+        got, _ = model(ids, positions, PagedBatchAttention(sequences, masks, kernels=kernels))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+    prompts = [torch.randint(cfg.vocab_size, (n,), generator=g) for n in (5, 11, 1)]
+    causal = [torch.ones(n, n, dtype=torch.bool).tril() for n in (5, 11, 1)]
+    forward_both(prompts, causal, [torch.arange(len(p)) for p in prompts])
+    for cache, sequence, prompt in zip(caches, sequences, prompts):
+        cache.keep(list(range(len(prompt))))
+        sequence.keep(list(range(len(prompt))))
+    for round_ in range(2):
+        sizes = [(7, 1, 3), (2, 9, 4)][round_]
+        masks = [random_tree_mask(n, g) for n in sizes]
+        trees = [torch.randint(cfg.vocab_size, (n,), generator=g) for n in sizes]
+        forward_both(trees, masks, [m.sum(dim=1) - 1 for m in masks])  # depth = ancestors
+        for cache, sequence, mask in zip(caches, sequences, masks):
+            path = mask[-1].nonzero().flatten().tolist()  # keep the last node's root-to-node path
+            cache.keep(path)
+            sequence.keep(path)
+    held = sum(len(s.blocks) for s in sequences)
+    assert held == sum(-(-s.length // 4) for s in sequences)
+    assert paged.allocator.free_count == 24 - held

@@ -49,6 +49,7 @@ class Stack:
     def __init__(self, runtime: Path):
         self.runtime = runtime
         self.children: dict[str, tuple[subprocess.Popen, str, Path]] = {}
+        self.serving: set[str] = set()
 
     def start(self, name: str, args: list[str]) -> str:
         address = f"unix://{self.runtime / name}.sock"
@@ -60,8 +61,11 @@ class Stack:
         return address
 
     def wait_serving(self, timeout_s: float) -> None:
+        """Wait until every child started so far serves (those seen serving before are not asked again)."""
         deadline = time.monotonic() + timeout_s
         for name, (process, address, log) in self.children.items():
+            if name in self.serving:
+                continue
             print(f"waiting for the {name} ...", file=sys.stderr, flush=True)
             while not is_serving(address):
                 if process.poll() is not None:
@@ -70,6 +74,7 @@ class Stack:
                 if time.monotonic() > deadline:
                     raise TreeserveError(f"the {name} was not serving after {timeout_s:.0f} s; see {log}")
                 time.sleep(0.2)
+            self.serving.add(name)
 
     def exited(self) -> str | None:
         return next((name for name, (process, _, _) in self.children.items() if process.poll() is not None), None)
@@ -102,6 +107,9 @@ def run_up(args) -> int:
             if args.drafter_path:
                 drafter_args += ["--drafter-path", args.drafter_path]
             verifier_args += ["--drafter", stack.start("drafter", drafter_args)]
+            # A verifier learns at its drafter's connection which target features to keep; a request it takes
+            # before then can never be drafted by a DFlash drafter. So the drafter serves first.
+            stack.wait_serving(args.start_timeout_s)
         verifier = stack.start("verifier", verifier_args)
         gateway = stack.start("gateway", ["--target", args.target, "--verifier", verifier,
                                           "--grace-s", str(args.grace_s)])

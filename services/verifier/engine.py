@@ -15,6 +15,7 @@ import torch
 
 from treeserve.errors import TreeserveError
 from treeserve.models import BatchAttention, DecoderLM, KVCache, TreeAttention
+from treeserve.models.paged_kv import PagedBatchAttention, PagedKVCache, PagedSequence
 from treeserve.params import GenerationParams
 from treeserve.sampling import choose_tokens, random_seed
 from treeserve.tokenizer import Tokenizer
@@ -47,9 +48,10 @@ class GenerationResult:
 @dataclasses.dataclass
 class ForwardPlan:
     """One request's share of a target forward: tokens at positions, attending to the committed prefix in
-    `cache` plus `mask` (N, N) among themselves; logits wanted at `logits_rows`. `tree` is None for a prefill."""
+    `cache` (contiguous, or the request's sequence in a paged pool) plus `mask` (N, N) among themselves; logits
+    wanted at `logits_rows`. `tree` is None for a prefill."""
 
-    cache: KVCache
+    cache: KVCache | PagedSequence
     tokens: list[int]
     positions: torch.Tensor
     mask: torch.Tensor
@@ -66,7 +68,14 @@ def forward_batch(model: DecoderLM, plans: list[ForwardPlan], feature_layer_ids:
     device = model.device
     tokens = torch.tensor([t for plan in plans for t in plan.tokens], device=device)
     positions = torch.cat([plan.positions for plan in plans])
-    attention = BatchAttention([TreeAttention(plan.cache, plan.mask) for plan in plans])
+    paged = [isinstance(plan.cache, PagedSequence) for plan in plans]
+    if all(paged):  # the Triton kernels on a GPU, their PyTorch references elsewhere
+        attention = PagedBatchAttention([plan.cache for plan in plans], [plan.mask for plan in plans],
+                                        kernels=device.type == "cuda")
+    elif not any(paged):
+        attention = BatchAttention([TreeAttention(plan.cache, plan.mask) for plan in plans])
+    else:
+        raise TreeserveError("one forward cannot mix paged and contiguous KV caches")
     rows, offset = [], 0
     for plan in plans:
         rows.extend(offset + r for r in plan.logits_rows)
@@ -88,10 +97,15 @@ class Generation:
     `feature_layer_ids` (the local drafter's, or a remote drafter's for a server) makes each apply keep
     `last_features`: the target's hidden states for the tokens it moved into the KV cache. Given feature layers
     without a local drafter (a server's request, drafted remotely), it keeps them all (`keep_features`), to
-    resend a drafter that lost its context."""
+    resend a drafter that lost its context.
+
+    With `kv_pool`, the request's KV lives in blocks of that shared paged cache, taken as it grows and returned
+    when it finishes (or on `release()`, for a request dropped before the end); without, in a contiguous cache
+    of its own sized for its longest possible context."""
 
     def __init__(self, model: DecoderLM, tokenizer: Tokenizer, prompt_ids: list[int], params: GenerationParams,
-                 drafter: Drafter | None = None, budget: int = 0, feature_layer_ids: tuple[int, ...] = ()):
+                 drafter: Drafter | None = None, budget: int = 0, feature_layer_ids: tuple[int, ...] = (),
+                 kv_pool: PagedKVCache | None = None):
         params.validate()
         cfg = model.config
         if not prompt_ids:
@@ -120,8 +134,11 @@ class Generation:
         self.output_ids: list[int] = []
         self.seed = params.seed if params.seed is not None else random_seed()
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_ids))
-        # Committed tokens never exceed prompt + max_new - 1 cached, plus one tree of budget + 1 nodes.
-        self.cache = KVCache(cfg, len(prompt_ids) + params.max_new_tokens + self.budget, model.dtype, model.device)
+        if kv_pool is not None:
+            self.cache = kv_pool.sequence()
+        else:  # committed tokens never exceed prompt + max_new - 1 cached, plus one tree of budget + 1 nodes
+            self.cache = KVCache(cfg, len(prompt_ids) + params.max_new_tokens + self.budget, model.dtype,
+                                 model.device)
         self.finish_reason: str | None = None
         self.stop_text_end: int | None = None  # where a matched stop string starts in the decoded text
         self.rounds = self.round_tokens = self.drafted_tokens = 0
@@ -185,6 +202,8 @@ class Generation:
             self.drafted_tokens += plan.tree.size - 1
             new_context = committed
         self.cache.keep(kept)
+        if self.finished:
+            self.release()
         if self.feature_layer_ids:
             if features is None:
                 raise TreeserveError("this generation needs target features, and the forward gave none")
@@ -194,6 +213,11 @@ class Generation:
         if self.drafter is not None and not self.finished:
             self.drafter.extend(self.draft_context, new_context, self.last_features)
         return committed
+
+    def release(self) -> None:
+        """Give a paged cache's blocks back to the pool (a contiguous cache goes with the generation)."""
+        if isinstance(self.cache, PagedSequence):
+            self.cache.release()
 
     @property
     def committed_count(self) -> int:
@@ -266,9 +290,10 @@ class Generation:
 
 
 def generate(model: DecoderLM, tokenizer: Tokenizer, prompt_ids: list[int], params: GenerationParams,
-             drafter: Drafter | None = None, budget: int = 0) -> GenerationResult:
+             drafter: Drafter | None = None, budget: int = 0, kv_pool: PagedKVCache | None = None
+             ) -> GenerationResult:
     """Run one request to the end. For streaming, drive a `Generation` and read what each `step()` returns."""
-    generation = Generation(model, tokenizer, prompt_ids, params, drafter, budget)
+    generation = Generation(model, tokenizer, prompt_ids, params, drafter, budget, kv_pool=kv_pool)
     while not generation.finished:
         generation.step()
     return generation.result()

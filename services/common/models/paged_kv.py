@@ -4,7 +4,8 @@
 keys and values as views, the layout the tree-attention and KV-write kernels read. A `PagedSequence` owns the
 blocks of one request: its committed prefix, then room for the tree being verified. After a round, `keep`
 moves the accepted rows down to the end of the prefix (all layers in one copy) and returns the blocks past the
-new end to the allocator, so a rejected branch holds nothing.
+new end to the allocator, so a rejected branch holds nothing. `PagedBatchAttention` runs one model forward for
+several sequences over the pool.
 """
 
 from __future__ import annotations
@@ -100,3 +101,51 @@ class PagedSequence:
     def release(self) -> None:
         self.cache.allocator.free(self.blocks)
         self.blocks, self.length = [], 0
+
+
+class PagedBatchAttention:
+    """Attention for one forward over several requests in the paged cache. Rows come as the engine lays them
+    out: request 0's rows, then request 1's, and so on. Each request's new keys and values go to slots reserved
+    after its committed prefix; each new row sees that whole prefix and, among the request's new rows, what its
+    mask allows (a tree's ancestors and itself, or causal for a prefill). After the forward, the caller commits
+    rows with `sequence.keep(...)`; `keep([])` drops them all.
+
+    `kernels` picks the Triton kernels (on a GPU, or under TRITON_INTERPRET=1) over their PyTorch references;
+    both take the same arguments, so a test can hold one against the other."""
+
+    def __init__(self, sequences: list[PagedSequence], masks: list[torch.Tensor], kernels: bool = False):
+        if len(sequences) != len(masks) or not sequences:
+            raise TreeserveError(f"paged attention: {len(sequences)} sequences but {len(masks)} masks")
+        self.cache = sequences[0].cache
+        device = self.cache.data.device
+        sizes = [mask.shape[0] for mask in masks]
+        prefix_lens = [sequence.length for sequence in sequences]
+        self.slots = torch.cat([sequence.reserve(n) for sequence, n in zip(sequences, sizes)]).to(device)
+        batch, rows = len(sequences), max(sizes)
+        self.tables = torch.zeros(batch, max(len(s.blocks) for s in sequences), dtype=torch.int32)
+        self.tree_mask = torch.zeros(batch, rows, rows, dtype=torch.bool)
+        for b, (sequence, mask) in enumerate(zip(sequences, masks)):
+            self.tables[b, :len(sequence.blocks)] = torch.tensor(sequence.blocks, dtype=torch.int32)
+            self.tree_mask[b, :sizes[b], :sizes[b]] = mask
+        self.tables, self.tree_mask = self.tables.to(device), self.tree_mask.to(device)
+        self.prefix_lens = torch.tensor(prefix_lens, device=device)
+        self.tree_sizes = torch.tensor(sizes, device=device)
+        # Flat row i is row row_index[i] of request batch_index[i] in the padded (batch, rows) layout.
+        self.batch_index = torch.repeat_interleave(torch.arange(batch), torch.tensor(sizes)).to(device)
+        self.row_index = torch.cat([torch.arange(n) for n in sizes]).to(device)
+        self.padded_rows = rows
+        if kernels:
+            from treeserve.kernels.kv_write import kv_write
+            from treeserve.kernels.tree_attention import tree_attention
+        else:
+            from treeserve.kernels.references import kv_write_reference as kv_write
+            from treeserve.kernels.references import tree_attention_reference as tree_attention
+        self.write, self.attend = kv_write, tree_attention
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = self.cache.layer(layer)
+        self.write(keys, values, k.to(keys.dtype), v.to(values.dtype), self.slots)
+        padded = q.new_zeros(len(self.tables), self.padded_rows, *q.shape[1:])
+        padded[self.batch_index, self.row_index] = q
+        out = self.attend(padded, keys, values, self.tables, self.prefix_lens, self.tree_sizes, self.tree_mask)
+        return out[self.batch_index, self.row_index]
