@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--budget", type=int, default=16,
                      help=f"drafted tree nodes per round, 1 to {MAX_BUDGET} (default 16)")
     gen.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="default cpu")
+    gen.add_argument("--tp", type=int, default=1,
+                     help="tensor-parallel ranks: the target split over N processes (N GPUs with --device cuda; "
+                          "under torchrun, its ranks); default 1")
     gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="default float32")
     add_generation_arguments(gen)
 
@@ -201,23 +205,59 @@ def stream_text(generation) -> None:
 def run_generate(args) -> int:
     if not 1 <= args.budget <= MAX_BUDGET:
         raise TreeserveError(f"--budget must be between 1 and {MAX_BUDGET}, got {args.budget}")
+    if args.tp < 1:
+        raise TreeserveError(f"--tp must be at least 1, got {args.tp}")
+    if args.tp == 1:
+        return generate_on_rank(args, None)
+    generation_params(args)  # bad input fails here once, not once per rank
+    read_prompt(args)
+    from treeserve import parallel
+
+    if "RANK" in os.environ:  # started by torchrun (or another launcher) as one of its ranks
+        return run_tensor_parallel_rank(args)
+    if args.seed is None:  # every rank must sample with the same seed
+        from treeserve.sampling import random_seed
+
+        args.seed = random_seed()
+    return parallel.launch(run_tensor_parallel_rank, args, args.tp)
+
+
+def run_tensor_parallel_rank(args) -> int:
+    """One rank of `generate --tp N`: all ranks run the same generation; rank 0 alone prints."""
+    from treeserve import parallel
+
+    if int(os.environ["WORLD_SIZE"]) != args.tp:
+        raise TreeserveError(f"--tp {args.tp}, but the launcher started {os.environ['WORLD_SIZE']} ranks")
+    shard = parallel.join(args.device)
+    try:
+        return generate_on_rank(args, shard)
+    except TreeserveError as error:
+        if shard.rank == 0:
+            print(f"treeserve: error: {error}", file=sys.stderr)
+        return 1
+
+
+def generate_on_rank(args, shard) -> int:
+    """`generate` on one process: the whole target (shard None), or one tensor-parallel rank's part of it."""
     params = generation_params(args)
     prompt = read_prompt(args)
-
+    quiet = shard is not None and shard.rank != 0
     from treeserve.loading import load_target
     from treeserve.verifier import Generation
 
     args.drafter = resolved_drafter(args)
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    target = load_target(args.target, device=args.device, dtype=args.dtype, shard=shard)
     drafter = make_drafter(args, target)
     tokenizer = target.tokenizer
     prompt_ids = tokenizer.encode_chat(prompt) if args.chat else tokenizer.encode(prompt)
     generation = Generation(target.model, tokenizer, prompt_ids, params, drafter, args.budget)
-    if args.json:
+    if args.json or quiet:
         while not generation.finished:
             generation.step()
     else:
         stream_text(generation)
+    if quiet:
+        return 0
     result = generation.result()
     summary = {
         "token_ids": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,

@@ -13,6 +13,7 @@ from treeserve.errors import TreeserveError
 from treeserve.loading.gguf_file import GGUFFile, load_gguf
 from treeserve.loading.hf_folder import load_hf_folder, load_hf_tokenizer, read_json
 from treeserve.models import DecoderLM
+from treeserve.parallel import Shard
 from treeserve.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -88,13 +89,14 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def load_target(spec: str, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
+def load_target(spec: str, device: str = "cpu", dtype: str = "float32", shard: Shard | None = None) -> LoadedModel:
+    """The model and tokenizer of `spec`; with `shard`, this tensor-parallel rank's part of the model."""
     if dtype not in DTYPES:
         raise TreeserveError(f"unknown dtype {dtype!r}; use {' or '.join(DTYPES)}")
     path = resolve_target(spec)
     torch_device = resolve_device(device)
     loader = load_hf_folder if path.is_dir() else load_gguf
-    model, tokenizer = loader(path, DTYPES[dtype], torch_device)
+    model, tokenizer = loader(path, DTYPES[dtype], torch_device, shard)
     return LoadedModel(spec, model, tokenizer)
 
 

@@ -14,6 +14,7 @@ from treeserve.errors import TreeserveError
 from treeserve.loading.gguf_header import read_header
 from treeserve.loading.weights import build_model
 from treeserve.models import DecoderLM, ModelConfig, RopeScaling
+from treeserve.parallel import Shard
 from treeserve.tokenizer import Tokenizer
 
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -225,7 +226,7 @@ def unpermute_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def load_gguf(path: Path, dtype: torch.dtype, device) -> tuple[DecoderLM, Tokenizer]:
+def load_gguf(path: Path, dtype: torch.dtype, device, shard: Shard | None = None) -> tuple[DecoderLM, Tokenizer]:
     file = GGUFFile(path)
     cfg = file.config()
     cfg.validate()
@@ -241,6 +242,6 @@ def load_gguf(path: Path, dtype: torch.dtype, device) -> tuple[DecoderLM, Tokeni
         return tensor
 
     try:
-        return build_model(cfg, names, read, str(path), dtype, device), tokenizer
+        return build_model(cfg, names, read, str(path), dtype, device, shard), tokenizer
     except (ValueError, IndexError) as error:  # tensor bytes that do not fit its shape (truncation is caught earlier)
         raise TreeserveError(f"{path}: tensor data is truncated or corrupt ({error})") from None

@@ -13,6 +13,7 @@ import torch
 from treeserve.errors import TreeserveError
 from treeserve.loading.weights import build_model
 from treeserve.models import DecoderLM, ModelConfig, RopeScaling
+from treeserve.parallel import Shard
 from treeserve.tokenizer import Tokenizer
 
 # model_type in config.json -> our family
@@ -119,7 +120,8 @@ def weight_files(folder: Path) -> list[Path]:
     raise TreeserveError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-def load_hf_folder(folder: Path, dtype: torch.dtype, device) -> tuple[DecoderLM, Tokenizer]:
+def load_hf_folder(folder: Path, dtype: torch.dtype, device, shard: Shard | None = None
+                   ) -> tuple[DecoderLM, Tokenizer]:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise TreeserveError(f"{folder}: no config.json (expected a Hugging Face model folder)")
@@ -129,7 +131,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, device) -> tuple[DecoderLM,
     tokenizer = load_hf_tokenizer(folder, raw)
     try:
         names, read = safetensors_reader(folder)
-        model = build_model(cfg, names, read, str(folder), dtype, device)
+        model = build_model(cfg, names, read, str(folder), dtype, device, shard)
     except (safetensors.SafetensorError, OSError) as error:
         raise TreeserveError(f"{folder}: cannot read weights, the file is truncated or corrupt ({error})") from None
     return model, tokenizer

@@ -9,6 +9,7 @@ from torch import nn
 
 from treeserve.errors import TreeserveError
 from treeserve.models import DecoderLM, ModelConfig
+from treeserve.parallel import Shard, sum_partial_outputs
 
 
 def build_model(
@@ -18,11 +19,18 @@ def build_model(
     source: str,
     dtype: torch.dtype,
     device: torch.device | str,
+    shard: Shard | None = None,
 ) -> DecoderLM:
-    """Create the model without initialising it, then fill every parameter from `read(name)` (HF names)."""
+    """Create the model without initialising it, then fill every parameter from `read(name)` (HF names).
+    With `shard`, only this tensor-parallel rank's part of each layer (treeserve.parallel)."""
+    if shard is not None:
+        cfg = shard.config(cfg)
+        read = lambda name, whole=read: shard.slice(name, whole(name))  # noqa: E731
     with torch.device("meta"):
         model = DecoderLM(cfg)
     fill_parameters(model, names, read, source, dtype, device)
+    if shard is not None:
+        sum_partial_outputs(model)
     model.tie_weights()
     model.rope_inv_freq = cfg.rope_inv_freq().float().to(device)
     return model.eval().requires_grad_(False)
