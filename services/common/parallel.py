@@ -64,13 +64,6 @@ def sum_partial_outputs(model: DecoderLM) -> None:
         layer.mlp.down_proj.register_forward_hook(all_reduce)
 
 
-def current_shard() -> Shard | None:
-    """This process's shard once `join` has run with more than one rank, else None."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return Shard(dist.get_rank(), dist.get_world_size())
-    return None
-
-
 def join(device: str) -> Shard:
     """Join the process group described by the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as
     torchrun and `launch` set them): NCCL for CUDA (one GPU per local rank), gloo for the CPU."""
@@ -97,8 +90,8 @@ def _rank_main(rank: int, world: int, port: int, function, args) -> None:
 
 
 def launch(function, args, world: int) -> int:
-    """Run `function(args)` on `world` local ranks (processes), each joined to one process group; returns the
-    first non-zero exit code, or 0. Ranks print their own errors; the caller sees only the code."""
+    """Run `function(args)` on `world` local ranks (processes) that join one process group; returns the first
+    non-zero exit code, or 0. Ranks print their own errors; an exception a rank did not catch is printed here."""
     import torch.multiprocessing as mp
 
     # When one rank fails, torch stops the others, and would log a warning per rank it stops.
