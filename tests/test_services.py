@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import time
 import urllib.request
 
@@ -18,6 +17,7 @@ import tiny_models
 from treeserve.launcher import Stack
 from treeserve.loading import load_target
 from treeserve.params import GenerationParams
+from treeserve.serving import free_port
 from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
 from treeserve.verifier import generate
 
@@ -28,12 +28,6 @@ PROMPTS = ["the cat sat on the mat and the cat sat on the mat and the cat",
            "one two three one two three one two three", "def f(x):\n    return x * 2\n",
            "for i in range(10):\n\tprint(i)\n", "a b a b a b a b", "if (a != b) { return -1; }",
            "hello hello hello world", "x = [1, 2, 3, 1, 2, 3]"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def health(address: str) -> int | None:

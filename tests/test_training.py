@@ -45,14 +45,7 @@ def random_samples(count, seed=0, length=(13, 24)):
             for _ in range(count)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These shapes are tiny: a second intra-op thread gains nothing, and on a shared two-core machine threads
-    that wait for each other while another process holds a core make a step ~50x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,7 @@ from treeserve.tree import DraftTree
 VOCAB = 50
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Hundreds of tiny tensor ops per tree: thread hand-offs would dominate the run time."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # hundreds of tiny tensor ops per tree
 
 
 def random_top_k(batch, depth, top_k, generator, dtype=torch.float64):

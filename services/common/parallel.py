@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import sys
 
 import torch
@@ -74,12 +73,6 @@ def join(device: str) -> Shard:
     return Shard(rank, world)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world: int, port: int, function, args) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -93,6 +86,8 @@ def launch(function, args, world: int) -> int:
     """Run `function(args)` on `world` local ranks (processes) that join one process group; returns the first
     non-zero exit code, or 0. Ranks print their own errors; an exception a rank did not catch is printed here."""
     import torch.multiprocessing as mp
+
+    from treeserve.serving import free_port
 
     # When one rank fails, torch stops the others, and would log a warning per rank it stops.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)

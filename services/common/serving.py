@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import tempfile
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -26,6 +27,13 @@ log = logging.getLogger("treeserve")
 
 # Servers and clients alike: room for large messages (DFlash target features travel on the Draft stream).
 MESSAGE_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def client_options(max_reconnect_backoff_s: float = 5.0) -> list[tuple[str, int]]:
