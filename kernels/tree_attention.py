@@ -1,16 +1,24 @@
-"""Tree attention over a paged KV cache: one read of each sequence's keys and values per query block.
+"""Tree attention over a paged KV cache.
+
+Work split: one program per (request, key/value head, block of tree rows, key range). Its query rows are the
+block's tree rows times every query head of the key/value head (GQA), so each key and value is read once per
+row block, not once per query head; and the key range splits long contexts over several programs (flash-
+decoding), so one request's short tree still spreads over the GPU. Split results meet in a second small kernel.
+The split count depends only on the shapes, never on the lengths, so a captured CUDA graph stays valid.
 
 Layout: the cache of one layer is `keys`/`values` (num_blocks, block_size, kv_heads, head_dim); sequence b owns
 the blocks listed in `block_tables[b]`, and its token at position p lives in block block_tables[b, p //
 block_size] at offset p % block_size. The first `prefix_lens[b]` positions are the committed prefix, visible to
 every query; the next `tree_sizes[b]` positions hold the tree being verified (their keys/values already
-written), and `tree_mask[b, i, j]` says whether tree node i sees tree node j (its ancestors and itself). Query
-rows beyond a sequence's tree are padding: their output is zero. Nothing here grows with prefix x tree: the mask
-is tree x tree.
+written), and `tree_mask[b, i, j]` says whether tree node i sees tree node j (its ancestors and itself); a
+`tree_mask` of None means causal among the new rows (a prompt), so a prefill carries no n x n mask. Query rows
+beyond a sequence's tree are padding: their output is zero. Nothing here grows with prefix x tree: the mask is
+tree x tree.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -21,37 +29,47 @@ import triton.language as tl
 
 @triton.jit
 def _tree_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, prefix_ptr, size_ptr, mask_ptr, scale,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_stat_ptr, tables_ptr, prefix_ptr, size_ptr, mask_ptr, scale,
     stride_qb, stride_qt, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
     stride_ob, stride_ot, stride_oh, stride_tb, stride_mb, stride_mi,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    stride_as, stride_ab, stride_at, stride_ah, stride_ss, stride_sb, stride_st, stride_sh,
+    GROUP: tl.constexpr, PADDED_GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PADDED_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    t0 = tl.program_id(2) * BLOCK_T
-    kv_head = h // GROUP
+    kv_head = tl.program_id(1)
+    row_block = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     prefix = tl.load(prefix_ptr + b)
     size = tl.load(size_ptr + b)
     length = prefix + size
 
-    rows = t0 + tl.arange(0, BLOCK_T)
+    # Query row m is tree row t of query head kv_head * GROUP + g.
+    m = tl.arange(0, BLOCK_T * PADDED_GROUP)
+    t = row_block * BLOCK_T + m // PADDED_GROUP
+    g = m % PADDED_GROUP
+    head = kv_head * GROUP + g
+    row_ok = (t < size) & (g < GROUP)
     dims = tl.arange(0, PADDED_DIM)
-    row_ok = rows < size
     dim_ok = dims < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + rows[:, None] * stride_qt + h * stride_qh + dims[None, :],
+    q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
-    best = tl.full((BLOCK_T,), float("-inf"), tl.float32)
-    total = tl.zeros((BLOCK_T,), tl.float32)
-    acc = tl.zeros((BLOCK_T, PADDED_DIM), tl.float32)
+    # This program's key range: an equal share of the sequence, whole BLOCK_N tiles.
+    chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+    best = tl.full((BLOCK_T * PADDED_GROUP,), float("-inf"), tl.float32)
+    total = tl.zeros((BLOCK_T * PADDED_GROUP,), tl.float32)
+    acc = tl.zeros((BLOCK_T * PADDED_GROUP, PADDED_DIM), tl.float32)
     # A while loop, not range(): Triton's interpreter cannot take a range bound loaded from memory.
-    n0 = 0
-    while n0 < length:
+    n0 = start
+    while n0 < end:
         cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < length
+        col_ok = cols < end
         block = tl.load(tables_ptr + b * stride_tb + cols // BLOCK_SIZE, mask=col_ok, other=0)
         slot = cols % BLOCK_SIZE
         k = tl.load(k_ptr + block[:, None] * stride_kn + slot[:, None] * stride_ks + kv_head * stride_kh
@@ -60,13 +78,17 @@ def _tree_attention_kernel(
                     + dims[None, :], mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
-        # The prefix is visible to every row; a tree column only where the row's tree mask says so.
+        # The prefix is visible to every row; a new column only where the row's tree mask (or causality) says so.
         in_tree = cols - prefix
-        tree_bit = tl.load(mask_ptr + b * stride_mb + rows[:, None] * stride_mi + in_tree[None, :],
-                           mask=row_ok[:, None] & (in_tree[None, :] >= 0) & col_ok[None, :], other=0)
+        if CAUSAL:
+            tree_bit = (in_tree[None, :] <= t[:, None]).to(tl.int8)
+        else:
+            tree_bit = tl.load(mask_ptr + b * stride_mb + t[:, None] * stride_mi + in_tree[None, :],
+                               mask=row_ok[:, None] & (in_tree[None, :] >= 0) & col_ok[None, :], other=0)
         visible = col_ok[None, :] & ((cols[None, :] < prefix) | (tree_bit != 0))
         # Products in the storage dtype (tensor cores for bfloat16), sums in float32.
-        scores = tl.where(visible, tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=tl.float32) * scale, float("-inf"))
+        scores = tl.where(visible, tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=tl.float32) * scale,
+                          float("-inf"))
         new_best = tl.maximum(best, tl.max(scores, axis=1))
         # Rows that have seen nothing yet keep a -inf maximum; shift by 0 there to avoid inf - inf.
         shift = tl.where(new_best == float("-inf"), 0.0, new_best)
@@ -76,16 +98,61 @@ def _tree_attention_kernel(
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION, out_dtype=tl.float32)
         best = new_best
         n0 += BLOCK_N
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_ot + h * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    keep = row_ok[:, None] & dim_ok[None, :]
+    if SPLITS == 1:
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=keep)
+    else:  # unnormalised partial results, with their maximum and sum, for _combine_splits_kernel
+        tl.store(part_acc_ptr + split * stride_as + b * stride_ab + t[:, None] * stride_at
+                 + head[:, None] * stride_ah + dims[None, :], acc, mask=keep)
+        stats = part_stat_ptr + split * stride_ss + b * stride_sb + t * stride_st + head * stride_sh
+        tl.store(stats, best, mask=row_ok)
+        tl.store(stats + 1, total, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_acc_ptr, part_stat_ptr, out_ptr, size_ptr,
+    stride_as, stride_ab, stride_at, stride_ah, stride_ss, stride_sb, stride_st, stride_sh,
+    stride_ob, stride_ot, stride_oh,
+    SPLITS: tl.constexpr, PADDED_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    t = tl.program_id(1)
+    h = tl.program_id(2)
+    if t < tl.load(size_ptr + b):
+        s = tl.arange(0, PADDED_SPLITS)
+        s_ok = s < SPLITS
+        dims = tl.arange(0, PADDED_DIM)
+        stats = part_stat_ptr + s * stride_ss + b * stride_sb + t * stride_st + h * stride_sh
+        best = tl.load(stats, mask=s_ok, other=float("-inf"))
+        total = tl.load(stats + 1, mask=s_ok, other=0.0)
+        overall = tl.max(best, axis=0)
+        weight = tl.where(best == float("-inf"), 0.0, tl.exp(best - overall))  # a split that saw nothing: 0
+        acc = tl.load(part_acc_ptr + s[:, None] * stride_as + b * stride_ab + t * stride_at + h * stride_ah
+                      + dims[None, :], mask=s_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+        denominator = tl.sum(total * weight, axis=0)
+        out = tl.sum(acc * weight[:, None], axis=0) / tl.where(denominator > 0, denominator, 1.0)
+        tl.store(out_ptr + b * stride_ob + t * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+                 mask=dims < HEAD_DIM)
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def default_splits(programs: int, device: torch.device) -> int:
+    """Key-range splits so that about two programs per streaming multiprocessor run (at most 32)."""
+    return max(1, min(32, (2 * multiprocessors(device)) // max(1, programs)))
 
 
 def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
-                   prefix_lens: torch.Tensor, tree_sizes: torch.Tensor, tree_mask: torch.Tensor,
-                   scale: float | None = None, block_t: int = 16, block_n: int = 32) -> torch.Tensor:
+                   prefix_lens: torch.Tensor, tree_sizes: torch.Tensor, tree_mask: torch.Tensor | None,
+                   scale: float | None = None, block_n: int = 64, splits: int | None = None) -> torch.Tensor:
     """The Triton kernel for `references.tree_attention_reference` (same arguments); padding rows come out
-    zero."""
+    zero. `splits`: key-range splits per row block (default: from the shapes and the GPU)."""
     batch, rows, heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = keys.shape
     if heads % kv_heads:
@@ -93,19 +160,37 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bl
     if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("q, keys and values must be contiguous in their last dimension")
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    group = heads // kv_heads
+    padded_group = triton.next_power_of_2(group)
+    # 16 query rows at least (tl.dot's minimum), about 64 when the tree is large enough.
+    block_t = max(16 // padded_group, min(triton.next_power_of_2(rows), max(1, 64 // padded_group)))
+    row_blocks = triton.cdiv(rows, block_t)
+    splits = splits or default_splits(batch * kv_heads * row_blocks, q.device)
     out = torch.zeros_like(q)
-    mask = tree_mask.to(torch.int8).contiguous()
+    causal = tree_mask is None
+    # Causal reads no mask; any int8 tensor stands in for the pointer.
+    mask = prefix_lens.new_zeros(1, 1, 1, dtype=torch.int8) if causal else tree_mask.to(torch.int8).contiguous()
     tables = block_tables.to(torch.int32).contiguous()
-    grid = (batch, heads, triton.cdiv(rows, block_t))
-    _tree_attention_kernel[grid](
-        q, keys, values, out, tables, prefix_lens.to(torch.int32).contiguous(),
-        tree_sizes.to(torch.int32).contiguous(), mask, scale,
-        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
+    sizes = tree_sizes.to(torch.int32).contiguous()
+    if splits > 1:
+        part_acc = q.new_empty(splits, batch, rows, heads, head_dim, dtype=torch.float32)
+        part_stat = q.new_empty(splits, batch, rows, heads, 2, dtype=torch.float32)
+    else:  # unused
+        part_acc = part_stat = out.new_empty(1, 1, 1, 1, 2, dtype=torch.float32)
+    padded_dim = max(16, triton.next_power_of_2(head_dim))
+    _tree_attention_kernel[(batch, kv_heads, row_blocks * splits)](
+        q, keys, values, out, part_acc, part_stat, tables, prefix_lens.to(torch.int32).contiguous(), sizes, mask,
+        scale, q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        tables.stride(0), mask.stride(0), mask.stride(1),
-        GROUP=heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        PADDED_DIM=max(16, triton.next_power_of_2(head_dim)), BLOCK_T=block_t, BLOCK_N=block_n,
+        tables.stride(0), mask.stride(0), mask.stride(1), *part_acc.stride()[:4], *part_stat.stride()[:4],
+        GROUP=group, PADDED_GROUP=padded_group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, PADDED_DIM=padded_dim,
+        BLOCK_T=block_t, BLOCK_N=block_n, SPLITS=splits, CAUSAL=causal,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 exact, not TF32
         # Triton's interpreter multiplies bfloat16 matrices wrongly (NumPy has no bfloat16): upcast there.
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1" and q.dtype != torch.float32)
+    if splits > 1:
+        _combine_splits_kernel[(batch, rows, heads)](
+            part_acc, part_stat, out, sizes, *part_acc.stride()[:4], *part_stat.stride()[:4],
+            out.stride(0), out.stride(1), out.stride(2), SPLITS=splits,
+            PADDED_SPLITS=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim, PADDED_DIM=padded_dim)
     return out

@@ -1,7 +1,7 @@
 """The engine on a CUDA device (run on the GPU host; skipped where there is none).
 
-float32: greedy speculative output equals plain greedy output exactly, with each request's contiguous KV cache
-and with a paged pool read by the Triton kernels. bfloat16: a tree forward and a
+float32: greedy speculative output equals plain greedy output exactly, with each request's contiguous KV cache,
+with a paged pool read by the Triton kernels, and with trees verified by CUDA-graph replay. bfloat16: a tree forward and a
 one-token forward round differently, so outputs may part ways, but only where the target's top two tokens
 are within bfloat16 noise of each other: every divergence is checked to be such a near-tie.
 """
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from random_targets import ENGINE_FAMILIES, RandomTreeDrafter, random_target, word_tokenizer
-from treeserve.drafter import NgramDrafter
 from treeserve.models import KVCache, TreeAttention
 from treeserve.models.paged_kv import PagedKVCache
 from treeserve.params import GenerationParams
 from treeserve.verifier import generate
+from treeserve.verifier.graphs import TreeVerifier
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -53,21 +53,26 @@ def assert_equal_or_near_tie(model, prompt, reference, output, tolerance):
 
 @pytest.mark.parametrize("case", ENGINE_FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kv", ["contiguous", "paged"])
+@pytest.mark.parametrize("kv", ["contiguous", "paged", "graphs"])
 def test_greedy_speculation_on_cuda(case, dtype, kv):
     model = random_target(case, seed=1, vocab_size=VOCAB, weight_scale=2.0).to("cuda", dtype)
     tokenizer = word_tokenizer(VOCAB)
     params = GenerationParams(max_new_tokens=24)
+    verifier = None
+    if kv != "contiguous":  # one pool for every request; the graphs captured once, for every budget
+        verifier = TreeVerifier(model, PagedKVCache(model.config, 64, 16, dtype, "cuda"), max_batch=1,
+                                graphs=kv == "graphs")
+        if kv == "graphs":
+            verifier.capture()
     rng = random.Random(0)
     for p in range(3):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))]
         reference = generate(model, tokenizer, prompt, params).token_ids
         for budget in (1, 4, 16, 32, 64, 128):
             drafter = RandomTreeDrafter(oracle(prompt, reference), VOCAB, seed=budget + p)
-            pool = PagedKVCache(model.config, 64, 16, dtype, "cuda") if kv == "paged" else None
-            output = generate(model, tokenizer, prompt, params, drafter, budget, kv_pool=pool).token_ids
-            if pool is not None:
-                assert pool.allocator.free_count == 64
+            output = generate(model, tokenizer, prompt, params, drafter, budget, verifier=verifier).token_ids
+            if verifier is not None:
+                assert verifier.pool.allocator.free_count == 64
             if dtype == torch.float32:
                 assert output == reference, f"{case} budget {budget}"
             else:
@@ -79,16 +84,25 @@ REAL_GGUF = os.environ.get("TREESERVE_SMOLLM2_GGUF")
 
 @pytest.mark.skipif(not REAL_GGUF, reason="set TREESERVE_SMOLLM2_GGUF to the staged SmolLM2 GGUF")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_real_model_ngram_on_cuda(dtype):
+@pytest.mark.parametrize("drafter_kind", ["ngram", "dflash"])
+def test_real_model_with_graphs_on_cuda(dtype, drafter_kind):
+    """SmolLM2 with n-gram trees, or the shipped DFlash drafter's DDTree trees, verified from CUDA graphs."""
+    from treeserve.drafter import load_drafter, shipped_dflash
     from treeserve.loading import load_target
+    from treeserve.verifier.graphs import build_verifier
 
     target = load_target(REAL_GGUF, device="cuda", dtype=dtype)
+    drafter = load_drafter(drafter_kind, str(shipped_dflash("smollm2-135m")), "ddtree", target=target,
+                           device="cuda", dtype=dtype)
+    verifier = build_verifier(target.model, 1, "on", kv_cache_tokens=4096)
+    verifier.capture(drafter.feature_layer_ids)
     params = GenerationParams(max_new_tokens=64)
     for text in ("def fibonacci(n):", "The three primary colors are"):
         prompt = target.tokenizer.encode(text)
         reference = generate(target.model, target.tokenizer, prompt, params).token_ids
-        output = generate(target.model, target.tokenizer, prompt, params, NgramDrafter(), 16).token_ids
+        result = generate(target.model, target.tokenizer, prompt, params, drafter, 32, verifier=verifier)
+        assert result.mean_accepted > 1.2
         if dtype == "float32":
-            assert output == reference
+            assert result.token_ids == reference
         else:
-            assert_equal_or_near_tie(target.model, prompt, reference, output, tolerance=2 ** -6)
+            assert_equal_or_near_tie(target.model, prompt, reference, result.token_ids, tolerance=2 ** -6)

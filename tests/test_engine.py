@@ -192,7 +192,7 @@ def test_bad_requests_get_clear_errors(kwargs, message):
 
 def test_requests_batched_into_one_forward_each_get_their_own_output():
     """Continuous batching: requests join between rounds, share each target forward, and leave when done."""
-    from treeserve.verifier.engine import forward_batch
+    from treeserve.verifier.engine import commit_round, forward_batch
 
     model = random_target("qwen3", seed=6, vocab_size=VOCAB, weight_scale=2.0)
     tokenizer = word_tokenizer(VOCAB)
@@ -211,8 +211,7 @@ def test_requests_batched_into_one_forward_each_get_their_own_output():
             index = len(running) + len(finished)
             running[index] = start(index)
         plans = {i: g.plan(g.local_draft() if g.prefilled else None) for i, g in running.items()}
-        for (i, plan), logits in zip(plans.items(), forward_batch(model, list(plans.values()))[0]):
-            running[i].apply(plan, logits)
+        commit_round([running[i] for i in plans], list(plans.values()), *forward_batch(model, list(plans.values())))
         for i in [i for i, g in running.items() if g.finished]:
             finished[i] = running.pop(i).result().token_ids
         round_number += 1

@@ -12,7 +12,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: run kernels on the CPU
 
 triton = pytest.importorskip("triton")
-from treeserve.kernels.references import kv_write_reference, tree_attention_reference  # noqa: E402
+from treeserve.kernels.references import (  # noqa: E402
+    kv_write_reference, rms_norm_reference, rope_reference, tree_attention_reference)
+from treeserve.kernels.rms_norm import rms_norm  # noqa: E402
+from treeserve.kernels.rope import rope  # noqa: E402
 from treeserve.kernels.tree_attention import tree_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,6 +76,7 @@ CASES = [  # prefix lengths, tree sizes, heads, kv heads, head dim, page size
     ([37, 0, 64], [17, 1, 9], 6, 2, 24, 16),  # head_dim 24 pads to 32; one prefix ends on a page boundary
     ([100, 3], [33, 2], 3, 3, 64, 32),  # no grouping; a tree larger than one query block
     ([1], [65], 8, 1, 8, 8),
+    ([300, 6], [5, 40], 9, 3, 64, 16),  # SmolLM2's grouping (3 query heads per key/value head) over many tiles
 ]
 
 
@@ -82,13 +86,22 @@ def test_reference_equals_dense_attention(prefix_lens, tree_sizes, heads, kv_hea
     torch.testing.assert_close(tree_attention_reference(*case), dense_attention(*case), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 3], ids=["whole", "split keys"])
 @pytest.mark.parametrize("prefix_lens, tree_sizes, heads, kv_heads, head_dim, block_size", CASES)
-def test_kernel_equals_reference(prefix_lens, tree_sizes, heads, kv_heads, head_dim, block_size):
+def test_kernel_equals_reference(prefix_lens, tree_sizes, heads, kv_heads, head_dim, block_size, splits):
     case = make_case(prefix_lens, tree_sizes, heads, kv_heads, head_dim, block_size, seed=2)
-    got, want = tree_attention(*case), tree_attention_reference(*case)
+    got, want = tree_attention(*case, splits=splits), tree_attention_reference(*case)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     for b, size in enumerate(case[5].tolist()):
         assert not got[b, size:].any(), "padding rows write nothing but zeros"
+
+
+@pytest.mark.parametrize("attend", [tree_attention, tree_attention_reference], ids=["kernel", "reference"])
+def test_causal_mode_equals_an_explicit_lower_triangular_mask(attend):
+    """A prefill passes no mask: each new row sees the prefix and the new rows up to itself."""
+    case = make_case([0, 21, 3], [40, 9, 1], 4, 2, 16, 8, seed=5)
+    tril = torch.ones(40, 40, dtype=torch.bool, device=DEVICE).tril().expand(3, 40, 40).contiguous()
+    torch.testing.assert_close(attend(*case[:6], None), dense_attention(*case[:6], tril), atol=1e-4, rtol=1e-4)
 
 
 def test_kernel_in_bfloat16_stays_within_bfloat16_tolerance():
@@ -136,42 +149,83 @@ def test_kv_write_equals_reference_and_padding_rows_write_nowhere(num_blocks, bl
     assert torch.equal(want_keys.view(-1, kv_heads, head_dim)[untouched], keys.view(-1, kv_heads, head_dim)[untouched])
 
 
+# ------------------------------------------------------------------------------------------ RMSNorm and RoPE
+
+@pytest.mark.parametrize("shape", [(1, 16), (7, 48), (3, 5, 576), (2, 3, 100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_reference(shape, dtype):
+    g = torch.Generator().manual_seed(len(shape))
+    x = (torch.randn(shape, generator=g) * 3).to(dtype).to(DEVICE)
+    weight = torch.rand(shape[-1], generator=g).add(0.5).to(dtype).to(DEVICE)
+    want = rms_norm_reference(x, weight, 1e-5)
+    got = rms_norm(x, weight, 1e-5)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    # float32 exactly up to summation order; bfloat16 within two rounding steps (2 ** -7 relative each).
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -6
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("n, heads, head_dim", [(1, 1, 16), (5, 9, 64), (17, 3, 24), (2, 32, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_reference(n, heads, head_dim, dtype):
+    from treeserve.models.config import ModelConfig
+    from treeserve.models.transformer import rope_cos_sin
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    cfg = ModelConfig("llama", 8, 8, 8, 1, heads, heads, head_dim, 1e-5, 10000.0, 64, False)
+    cos, sin = rope_cos_sin(cfg.rope_inv_freq().to(DEVICE), torch.randint(64, (n,), generator=g).to(DEVICE), dtype)
+    want, got = rope_reference(x, cos, sin), rope(x, cos, sin)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+    strided = torch.randn(n, heads, 2 * head_dim, generator=g).to(dtype).to(DEVICE)[:, :, :head_dim]
+    torch.testing.assert_close(rope(strided, cos, sin).float(), rope_reference(strided, cos, sin).float(),
+                               atol=tolerance, rtol=tolerance)
+
+
 # ------------------------------------------------------------------------------- a model over the paged cache
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["references", "kernels"])
 def test_model_over_the_paged_cache_equals_the_contiguous_cache(kernels):
-    """Three requests of different lengths: a batched prefill, then two rounds of trees with part of each tree
-    kept, give the same logits through PagedBatchAttention (blocks of 4, pages shared) as through each request's
-    contiguous KVCache, and rejected rows leave no blocks behind."""
+    """Three requests of different lengths: a batched causal prefill (packed rows), then two rounds of trees
+    (padded rows) with part of each tree kept, give the same logits over the paged cache (blocks of 4, pages
+    shared) as through each request's contiguous KVCache, and rejected rows leave no blocks behind."""
     from random_targets import random_target
     from treeserve.models.kv_cache import BatchAttention, KVCache, TreeAttention
-    from treeserve.models.paged_kv import PagedBatchAttention, PagedKVCache
+    from treeserve.models.paged_kv import PagedAttention, PagedKVCache
+    from treeserve.verifier.graphs import TreeVerifier
 
-    model = random_target("qwen2", seed=5, weight_scale=2.0)  # GQA, biases
+    model = random_target("qwen2", seed=5, weight_scale=2.0).to(DEVICE)  # GQA, biases
     cfg = model.config
     g = torch.Generator().manual_seed(0)
-    paged = PagedKVCache(cfg, num_blocks=24, block_size=4, dtype=torch.float32, device="cpu")
+    paged = PagedKVCache(cfg, num_blocks=24, block_size=4, dtype=torch.float32, device=DEVICE)
     sequences = [paged.sequence() for _ in range(3)]
-    caches = [KVCache(cfg, 64, torch.float32, "cpu") for _ in range(3)]
+    caches = [KVCache(cfg, 64, torch.float32, DEVICE) for _ in range(3)]
 
-    def forward_both(tokens: list[torch.Tensor], masks: list[torch.Tensor], depths: list[torch.Tensor]):
-        ids = torch.cat(tokens)
-        positions = torch.cat([c.length + d for c, d in zip(caches, depths)])
-        want, _ = model(ids, positions, BatchAttention([TreeAttention(c, m) for c, m in zip(caches, masks)]))
-        got, _ = model(ids, positions, PagedBatchAttention(sequences, masks, kernels=kernels))
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    def contiguous(tokens, masks, depths):
+        positions = [c.length + d for c, d in zip(caches, depths)]
+        attention = BatchAttention([TreeAttention(c, m.to(DEVICE)) for c, m in zip(caches, masks)])
+        logits, _ = model(torch.cat(tokens).to(DEVICE), torch.cat(positions).to(DEVICE), attention)
+        return logits.split([len(t) for t in tokens]), positions
 
     prompts = [torch.randint(cfg.vocab_size, (n,), generator=g) for n in (5, 11, 1)]
-    causal = [torch.ones(n, n, dtype=torch.bool).tril() for n in (5, 11, 1)]
-    forward_both(prompts, causal, [torch.arange(len(p)) for p in prompts])
+    want, _ = contiguous(prompts, [torch.ones(n, n, dtype=torch.bool).tril() for n in (5, 11, 1)],
+                         [torch.arange(len(p)) for p in prompts])
+    got, _ = model(torch.cat(prompts).to(DEVICE), torch.cat([torch.arange(len(p)) for p in prompts]).to(DEVICE),
+                   PagedAttention.for_prompts(sequences, [len(p) for p in prompts], kernels=kernels))
+    torch.testing.assert_close(got, torch.cat(want), atol=1e-4, rtol=1e-4)
     for cache, sequence, prompt in zip(caches, sequences, prompts):
         cache.keep(list(range(len(prompt))))
         sequence.keep(list(range(len(prompt))))
+    verifier = TreeVerifier(model, paged, max_batch=3, kernels=kernels)
     for round_ in range(2):
         sizes = [(7, 1, 3), (2, 9, 4)][round_]
         masks = [random_tree_mask(n, g) for n in sizes]
         trees = [torch.randint(cfg.vocab_size, (n,), generator=g) for n in sizes]
-        forward_both(trees, masks, [m.sum(dim=1) - 1 for m in masks])  # depth = ancestors
+        want, positions = contiguous(trees, masks, [m.sum(dim=1) - 1 for m in masks])  # depth = ancestors - 1
+        got, _ = verifier.verify(sequences, [t.tolist() for t in trees], positions, masks)
+        for got_rows, want_rows in zip(got, want):
+            torch.testing.assert_close(got_rows, want_rows, atol=1e-4, rtol=1e-4)
         for cache, sequence, mask in zip(caches, sequences, masks):
             path = mask[-1].nonzero().flatten().tolist()  # keep the last node's root-to-node path
             cache.keep(path)

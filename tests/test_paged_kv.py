@@ -81,24 +81,25 @@ def test_engine_on_a_paged_pool_is_lossless_and_returns_every_block(case):
     from random_targets import RandomTreeDrafter, random_target, word_tokenizer
     from treeserve.params import GenerationParams
     from treeserve.verifier import Generation, generate
-    from treeserve.verifier.engine import forward_batch
+    from treeserve.verifier.engine import commit_round, forward_batch
+    from treeserve.verifier.graphs import TreeVerifier
 
     model = random_target(case, seed=3, weight_scale=2.0)
     tokenizer = word_tokenizer(96)
     rng = random.Random(case)
     pool = PagedKVCache(model.config, num_blocks=200, block_size=5, dtype=torch.float32, device="cpu")
+    verifier = TreeVerifier(model, pool, max_batch=4)
     requests = []
     for i, budget in enumerate((1, 4, 16, 64)):
         prompt = [rng.randrange(96) for _ in range(rng.randint(1, 23))]
         params = GenerationParams(max_new_tokens=18)
         reference = generate(model, tokenizer, prompt, params).token_ids
         drafter = RandomTreeDrafter(lambda context, p=prompt, r=reference: r[len(context) - len(p):], 96, seed=i)
-        requests.append((Generation(model, tokenizer, prompt, params, drafter, budget, kv_pool=pool), reference))
+        requests.append((Generation(model, tokenizer, prompt, params, drafter, budget, verifier=verifier), reference))
     running = [generation for generation, _ in requests]
     while running:
         plans = [g.plan(g.local_draft() if g.prefilled else None) for g in running]
-        for generation, plan, logits in zip(running, plans, forward_batch(model, plans)[0]):
-            generation.apply(plan, logits)
+        commit_round(running, plans, *forward_batch(model, plans, verifier=verifier))
         running = [g for g in running if not g.finished]
     for generation, reference in requests:
         assert generation.result().token_ids == reference

@@ -18,6 +18,7 @@ from treeserve.params import GenerationParams
 from treeserve.v1 import generation_pb2, verifier_pb2, verifier_pb2_grpc
 from treeserve.verifier import generate
 from treeserve.verifier.drafter_link import DrafterLink
+from treeserve.verifier.graphs import build_verifier
 from treeserve.verifier.server import VerifierServicer
 
 VOCAB = 64
@@ -28,11 +29,11 @@ def target():
     return LoadedModel("tiny", random_target("llama", seed=7, vocab_size=VOCAB, weight_scale=2.0), word_tokenizer(VOCAB))
 
 
-async def start_verifier(tmp_path, target, drafter_addresses, timeout_s=1.0, max_batch=8):
+async def start_verifier(tmp_path, target, drafter_addresses, timeout_s=1.0, max_batch=8, kv_cache_tokens=0):
     links = [DrafterLink(address, timeout_s) for address in drafter_addresses]
     servicer = VerifierServicer("tiny", links, default_budget=8, default_max_new_tokens=16, max_batch=max_batch)
     service = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
-    scheduler = servicer.attach(target)
+    scheduler = servicer.attach(target, build_verifier(target.model, max_batch, "off", kv_cache_tokens, block_size=4))
     task = asyncio.ensure_future(scheduler.run())
     for link in links:
         await scheduler.connect(link)
@@ -134,11 +135,37 @@ def test_cancelling_a_request_frees_it_and_others_finish(tmp_path, target):
         task.cancel()
         await service.server.stop(0)
         await drafter.server.stop(0)
-        return tokens, leftover
+        return tokens, leftover, scheduler.verifier.pool.allocator
 
-    tokens, leftover = asyncio.run(main())
+    tokens, leftover, allocator = asyncio.run(main())
     assert tokens == expected(target, prompts[1], 30)
     assert leftover == 0
+    assert allocator.free_count == allocator.num_blocks  # every KV block came back
+
+
+def test_requests_wait_for_kv_room_and_one_too_large_is_refused(tmp_path, target):
+    """A pool of 96 tokens holds one request of up to 96 (prompt + 40 new + budget 8) at a time: four
+    requests each get the target's output, one after another, and one that could never fit is refused."""
+    prompts = repetitive_prompts(4, seed=4)
+
+    async def main():
+        drafter = await start_drafter(tmp_path)
+        service, scheduler, task = await start_verifier(tmp_path, target, [drafter.address], kv_cache_tokens=96)
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            results = await asyncio.gather(*(collect(stub, request(p, max_new_tokens=40)) for p in prompts))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await collect(stub, request(prompts[0], max_new_tokens=90))
+        task.cancel()
+        await service.server.stop(0)
+        await drafter.server.stop(0)
+        return results, refused.value, scheduler.verifier.pool.allocator
+
+    results, refused, allocator = asyncio.run(main())
+    for prompt, (tokens, _) in zip(prompts, results):
+        assert tokens == expected(target, prompt, 40)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV cache" in refused.details()
+    assert allocator.free_count == allocator.num_blocks
 
 
 @pytest.mark.parametrize("message, text", [

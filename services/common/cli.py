@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tensor-parallel ranks: the target split over N processes (N GPUs with --device cuda; "
                           "under torchrun, its ranks); default 1")
     gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="default float32")
+    gen.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                     help="verify trees by replaying CUDA graphs (auto: with --device cuda and --tp 1)")
     add_generation_arguments(gen)
 
     from treeserve.gateway.client import add_client_arguments
@@ -207,6 +209,8 @@ def run_generate(args) -> int:
         raise TreeserveError(f"--budget must be between 1 and {MAX_BUDGET}, got {args.budget}")
     if args.tp < 1:
         raise TreeserveError(f"--tp must be at least 1, got {args.tp}")
+    if args.cuda_graphs == "on" and (args.device != "cuda" or args.tp > 1):
+        raise TreeserveError("--cuda-graphs on needs --device cuda and --tp 1 (graphs under --tp are not built yet)")
     if args.tp == 1:
         return generate_on_rank(args, None)
     generation_params(args)  # bad input fails here once, not once per rank
@@ -244,13 +248,20 @@ def generate_on_rank(args, shard) -> int:
     quiet = shard is not None and shard.rank != 0
     from treeserve.loading import load_target
     from treeserve.verifier import Generation
+    from treeserve.verifier.graphs import build_verifier
 
     args.drafter = resolved_drafter(args)
     target = load_target(args.target, device=args.device, dtype=args.dtype, shard=shard)
     drafter = make_drafter(args, target)
     tokenizer = target.tokenizer
     prompt_ids = tokenizer.encode_chat(prompt) if args.chat else tokenizer.encode(prompt)
-    generation = Generation(target.model, tokenizer, prompt_ids, params, drafter, args.budget)
+    budget = args.budget if drafter is not None else 0
+    # A pool of exactly this request's size; graphs for its one batch size and tree sizes up to its budget.
+    verifier = build_verifier(target.model, 1, "off" if shard is not None else args.cuda_graphs,
+                              kv_cache_tokens=len(prompt_ids) + params.max_new_tokens + budget, max_tree=budget + 1)
+    generation = Generation(target.model, tokenizer, prompt_ids, params, drafter, budget, verifier=verifier)
+    if verifier.use_graphs:
+        verifier.capture(generation.feature_layer_ids)
     if args.json or quiet:
         while not generation.finished:
             generation.step()

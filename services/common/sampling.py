@@ -46,13 +46,14 @@ def target_probs(logits: torch.Tensor, params: GenerationParams) -> torch.Tensor
     return probs
 
 
-def choose_tokens(logits: torch.Tensor, params: GenerationParams, seed: int, output_indices: list[int]) -> list[int]:
-    """The target's choice at each of N scored positions; output_indices[i] is which generated token row i
-    decides (its counter for sampling). One host transfer for the whole round."""
+def pick_tokens(logits: torch.Tensor, params: GenerationParams, seed: int, output_indices: list[int]) -> torch.Tensor:
+    """The target's choice at each of N scored positions, left on the logits' device (the caller moves a whole
+    round's picks to the host at once); output_indices[i] is which generated token row i decides (its counter
+    for sampling)."""
     if params.greedy:
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
     probs = target_probs(logits, params)
     cdf = torch.cumsum(probs, dim=-1)
-    u = torch.from_numpy(counter_uniforms(seed, np.asarray(output_indices))).to(cdf.device)
+    u = torch.from_numpy(counter_uniforms(seed, np.asarray(output_indices))).to(cdf.device, non_blocking=True)
     picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    return picks.clamp_(max=probs.shape[-1] - 1).tolist()
+    return picks.clamp_(max=probs.shape[-1] - 1)

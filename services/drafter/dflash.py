@@ -28,7 +28,7 @@ from treeserve.errors import TreeserveError
 from treeserve.loading.hf_folder import config_from_hf, read_json, safetensors_reader
 from treeserve.loading.weights import fill_parameters
 from treeserve.models import ModelConfig
-from treeserve.models.transformer import DecoderLayer, RMSNorm, rope_cos_sin, rotate_half
+from treeserve.models.transformer import DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 
@@ -168,7 +168,7 @@ class DFlashModel(nn.Module):
         for layer in self.layers:
             attn = layer.self_attn
             k = attn.k_norm(attn.k_proj(hidden).view(n, attn.num_kv_heads, attn.head_dim))
-            keys.append(k * cos + rotate_half(k) * sin)
+            keys.append(apply_rope(k, cos, sin))
             values.append(attn.v_proj(hidden).view(n, attn.num_kv_heads, attn.head_dim))
         return keys, values
 

@@ -31,6 +31,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--default-budget", type=int, default=env("default_budget", "16"))
     p.add_argument("--default-max-new-tokens", type=int, default=env("default_max_new_tokens", "64"))
     p.add_argument("--max-batch", type=int, default=env("max_batch", "64"), help="requests per round at most")
+    p.add_argument("--kv-cache-tokens", type=int, default=env("kv_cache_tokens", "0"),
+                   help="tokens the paged KV cache holds, over all requests (default 0: on a GPU, 90%% of the "
+                        "memory free after room for the largest forward; on the CPU, 16384)")
+    p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default=env("cuda_graphs", "auto"),
+                   help="replay tree verification from CUDA graphs captured at start-up (auto: with --device "
+                        "cuda); off is for debugging")
     p.add_argument("--draft-timeout-s", type=float, default=env("draft_timeout_s", "2.0"),
                    help="a drafter slower than this is treated as down for the round")
     p.add_argument("--grace-s", type=float, default=env("grace_s", "10"), help="drain period on SIGTERM")
@@ -45,6 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--default-budget must be between 1 and {MAX_BUDGET}")
     if args.max_batch < 1 or args.default_max_new_tokens < 1:
         p.error("--max-batch and --default-max-new-tokens must be positive")
+    if args.kv_cache_tokens < 0:
+        p.error("--kv-cache-tokens must be 0 (sized from memory) or positive")
+    if args.cuda_graphs == "on" and args.device != "cuda":
+        p.error("--cuda-graphs on needs --device cuda")
     return args
 
 
@@ -52,6 +62,7 @@ async def serve(args) -> None:
     from treeserve import serving, telemetry
     from treeserve.loading import load_target
     from treeserve.verifier.drafter_link import DrafterLink, expand_drafter_addresses
+    from treeserve.verifier.graphs import build_verifier
     from treeserve.verifier.server import VerifierServicer
 
     metrics = telemetry.VerifierMetrics()
@@ -63,13 +74,17 @@ async def serve(args) -> None:
     log.info("verifier listening on %s; loading %s", service.address, args.target)
     try:
         target = await asyncio.to_thread(load_target, args.target, args.device, args.dtype)
+        verifier = await asyncio.to_thread(build_verifier, target.model, args.max_batch, args.cuda_graphs,
+                                           args.kv_cache_tokens)
     except BaseException:
         await serving.abandon(service)
         raise
-    scheduler = servicer.attach(target)
-    scheduler_task = asyncio.ensure_future(scheduler.run())
+    scheduler = servicer.attach(target, verifier)
     for link in links:
         await scheduler.connect(link)
+    if verifier.use_graphs:  # after the drafters: the graphs compute the features they asked for
+        await asyncio.to_thread(verifier.capture, scheduler.feature_layer_ids)
+    scheduler_task = asyncio.ensure_future(scheduler.run())
     await service.set_serving(True)
     log.info("verifier ready: %s on %s, drafters: %s", args.target, args.device,
              ", ".join(link.address for link in links) or "none")

@@ -15,12 +15,13 @@ import torch
 
 from treeserve.errors import TreeserveError
 from treeserve.models import BatchAttention, DecoderLM, KVCache, TreeAttention
-from treeserve.models.paged_kv import PagedBatchAttention, PagedKVCache, PagedSequence
+from treeserve.models.paged_kv import PagedAttention, PagedSequence
 from treeserve.params import GenerationParams
-from treeserve.sampling import choose_tokens, random_seed
+from treeserve.sampling import pick_tokens, random_seed
 from treeserve.tokenizer import Tokenizer
 from treeserve.tree import MAX_BUDGET, DraftTree, Drafter
 from treeserve.verifier.acceptance import walk_tree
+from treeserve.verifier.graphs import TreeVerifier
 
 
 @dataclasses.dataclass
@@ -48,39 +49,64 @@ class GenerationResult:
 @dataclasses.dataclass
 class ForwardPlan:
     """One request's share of a target forward: tokens at positions, attending to the committed prefix in
-    `cache` (contiguous, or the request's sequence in a paged pool) plus `mask` (N, N) among themselves; logits
-    wanted at `logits_rows`. `tree` is None for a prefill."""
+    `cache` (contiguous, or the request's sequence in a paged pool) plus, among themselves, what `mask` (N, N)
+    allows, or causal when it is None (a prompt); logits wanted at `logits_rows`. `tree` is None for a prefill.
+    Positions and mask stay on the host: the forward moves a whole batch's at once."""
 
     cache: KVCache | PagedSequence
     tokens: list[int]
     positions: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     logits_rows: list[int]
     tree: DraftTree | None
 
 
 @torch.inference_mode()
-def forward_batch(model: DecoderLM, plans: list[ForwardPlan], feature_layer_ids: tuple[int, ...] = ()
-                  ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """One target forward for several requests packed together. Returns each plan's logits rows and, when
-    `feature_layer_ids` is given, its tokens' hidden states after those layers, concatenated per token
-    (N, len(ids) * hidden): the features a DFlash drafter conditions on."""
-    device = model.device
-    tokens = torch.tensor([t for plan in plans for t in plan.tokens], device=device)
-    positions = torch.cat([plan.positions for plan in plans])
+def forward_batch(model: DecoderLM, plans: list[ForwardPlan], feature_layer_ids: tuple[int, ...] = (),
+                  verifier: TreeVerifier | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """One target forward for several requests (two over a paged pool when prompts and trees come together:
+    prompts packed and causal, trees through `verifier`, the CUDA graphs when it has them). Returns each plan's
+    logits rows and, when `feature_layer_ids` is given, its tokens' hidden states after those layers,
+    concatenated per token (N, len(ids) * hidden): the features a DFlash drafter conditions on."""
     paged = [isinstance(plan.cache, PagedSequence) for plan in plans]
-    if all(paged):  # the Triton kernels on a GPU, their PyTorch references elsewhere
-        attention = PagedBatchAttention([plan.cache for plan in plans], [plan.mask for plan in plans],
-                                        kernels=device.type == "cuda")
-    elif not any(paged):
-        attention = BatchAttention([TreeAttention(plan.cache, plan.mask) for plan in plans])
-    else:
+    if not any(paged):
+        return _forward_packed(model, plans, feature_layer_ids, None)
+    if not all(paged):
         raise TreeserveError("one forward cannot mix paged and contiguous KV caches")
+    logits: list[torch.Tensor | None] = [None] * len(plans)
+    features: list[torch.Tensor | None] = [None] * len(plans)
+    prompts = [i for i, plan in enumerate(plans) if plan.tree is None]
+    trees = [i for i, plan in enumerate(plans) if plan.tree is not None]
+    if prompts:
+        kernels = model.device.type == "cuda"  # the Triton kernels on a GPU, their PyTorch references elsewhere
+        attention = PagedAttention.for_prompts([plans[i].cache for i in prompts],
+                                               [len(plans[i].tokens) for i in prompts], kernels)
+        found = _forward_packed(model, [plans[i] for i in prompts], feature_layer_ids, attention)
+        for i, plan_logits, plan_features in zip(prompts, *found):
+            logits[i], features[i] = plan_logits, plan_features
+    if trees:
+        verifier = verifier or TreeVerifier(model, plans[trees[0]].cache.cache, max_batch=len(trees))
+        found = verifier.verify([plans[i].cache for i in trees], [plans[i].tokens for i in trees],
+                                [plans[i].positions for i in trees], [plans[i].mask for i in trees],
+                                feature_layer_ids)
+        for i, plan_logits, plan_features in zip(trees, *found):
+            logits[i], features[i] = plan_logits, plan_features
+    return logits, features
+
+
+def _forward_packed(model: DecoderLM, plans: list[ForwardPlan], feature_layer_ids: tuple[int, ...],
+                    attention: PagedAttention | None) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """The plans' rows packed one after another; contiguous caches when `attention` is None."""
+    device = model.device
+    tokens = torch.tensor([t for plan in plans for t in plan.tokens]).to(device, non_blocking=True)
+    positions = torch.cat([plan.positions for plan in plans]).to(device, non_blocking=True)
+    if attention is None:
+        attention = BatchAttention([TreeAttention(plan.cache, _mask(plan).to(device)) for plan in plans])
     rows, offset = [], 0
     for plan in plans:
         rows.extend(offset + r for r in plan.logits_rows)
         offset += len(plan.tokens)
-    logits, hidden = model(tokens, positions, attention, logits_rows=torch.tensor(rows, device=device),
+    logits, hidden = model(tokens, positions, attention, logits_rows=torch.tensor(rows).to(device),
                            hidden_layer_ids=feature_layer_ids)
     logits_per_plan = list(torch.split(logits, [len(plan.logits_rows) for plan in plans]))
     if not feature_layer_ids:
@@ -89,23 +115,44 @@ def forward_batch(model: DecoderLM, plans: list[ForwardPlan], feature_layer_ids:
     return logits_per_plan, list(torch.split(features, [len(plan.tokens) for plan in plans]))
 
 
+def _mask(plan: ForwardPlan) -> torch.Tensor:
+    n = len(plan.tokens)
+    return plan.mask if plan.mask is not None else torch.ones(n, n, dtype=torch.bool).tril_()
+
+
+def commit_round(generations: list["Generation"], plans: list[ForwardPlan], logits: list[torch.Tensor],
+                 features: list[torch.Tensor | None]) -> list[list[int]]:
+    """Each generation's choices from its logits, moved to the host in one transfer (the round's one wait on
+    the device), then committed; returns each generation's committed tokens."""
+    if not generations:
+        return []
+    picks = [generation.pick(plan, rows) for generation, plan, rows in zip(generations, plans, logits)]
+    flat = torch.cat(picks).tolist()
+    committed, start = [], 0
+    for generation, plan, plan_features, pick in zip(generations, plans, features, picks):
+        committed.append(generation.apply(plan, flat[start:start + len(pick)], plan_features))
+        start += len(pick)
+    return committed
+
+
 class Generation:
     """One request's state. In process: call `step()` until `finished`; each call returns the tokens it
-    committed. A batching server instead calls `plan(tree)`, runs several plans in one `forward_batch`, then
-    `apply(plan, logits, features)` for each.
+    committed. A batching server instead calls `plan(tree)` for each, runs the plans in one `forward_batch`, then
+    `commit_round` for all.
 
     `feature_layer_ids` (the local drafter's, or a remote drafter's for a server) makes each apply keep
     `last_features`: the target's hidden states for the tokens it moved into the KV cache. Given feature layers
     without a local drafter (a server's request, drafted remotely), it keeps them all (`keep_features`), to
     resend a drafter that lost its context.
 
-    With `kv_pool`, the request's KV lives in blocks of that shared paged cache, taken as it grows and returned
-    when it finishes (or on `release()`, for a request dropped before the end); without, in a contiguous cache
-    of its own sized for its longest possible context."""
+    With `verifier`, the request's KV lives in blocks of the verifier's paged pool, taken as it grows and
+    returned when it finishes (or on `release()`, for a request dropped before the end), and its trees are
+    verified there (from CUDA graphs when the verifier has them); without, in a contiguous cache of its own
+    sized for its longest possible context."""
 
     def __init__(self, model: DecoderLM, tokenizer: Tokenizer, prompt_ids: list[int], params: GenerationParams,
                  drafter: Drafter | None = None, budget: int = 0, feature_layer_ids: tuple[int, ...] = (),
-                 kv_pool: PagedKVCache | None = None):
+                 verifier: TreeVerifier | None = None):
         params.validate()
         cfg = model.config
         if not prompt_ids:
@@ -134,17 +181,23 @@ class Generation:
         self.output_ids: list[int] = []
         self.seed = params.seed if params.seed is not None else random_seed()
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_ids))
-        if kv_pool is not None:
-            self.cache = kv_pool.sequence()
-        else:  # committed tokens never exceed prompt + max_new - 1 cached, plus one tree of budget + 1 nodes
-            self.cache = KVCache(cfg, len(prompt_ids) + params.max_new_tokens + self.budget, model.dtype,
-                                 model.device)
+        self.verifier = verifier
+        if verifier is not None:
+            self.cache = verifier.pool.sequence()
+        else:
+            self.cache = KVCache(cfg, self.kv_tokens_needed, model.dtype, model.device)
         self.finish_reason: str | None = None
         self.stop_text_end: int | None = None  # where a matched stop string starts in the decoded text
         self.rounds = self.round_tokens = self.drafted_tokens = 0
         self.last_accepted = 0  # drafted tokens the last round accepted (before a stop cut)
         self.started = time.perf_counter()
         self.prefill_s = self.elapsed_s = 0.0
+
+    @property
+    def kv_tokens_needed(self) -> int:
+        """KV rows this request can hold at most: committed tokens never exceed prompt + max_new - 1, plus one
+        tree of budget + 1 nodes."""
+        return len(self.prompt_ids) + self.params.max_new_tokens + self.budget
 
     @property
     def finished(self) -> bool:
@@ -159,17 +212,15 @@ class Generation:
         if self.finished:
             return []
         plan = self.plan(self.local_draft() if self.prefilled else None)
-        logits, features = forward_batch(self.model, [plan], self.feature_layer_ids)
-        return self.apply(plan, logits[0], features[0])
+        logits, features = forward_batch(self.model, [plan], self.feature_layer_ids, self.verifier)
+        return commit_round([self], [plan], logits, features)[0]
 
     def plan(self, tree: DraftTree | None) -> ForwardPlan:
         """What the next target forward runs for this request: the prompt (first call), else the tree to verify
         (the root alone when `tree` is None: a plain decoding step). A tree from a drafter is checked here."""
-        device = self.model.device
         if not self.prefilled:
             n = len(self.prompt_ids)
-            return ForwardPlan(self.cache, self.prompt_ids, torch.arange(n, device=device),
-                               torch.ones(n, n, dtype=torch.bool, device=device).tril_(), [n - 1], None)
+            return ForwardPlan(self.cache, self.prompt_ids, torch.arange(n), None, [n - 1], None)
         root = self.output_ids[-1]
         if tree is None:
             tree = DraftTree([root], [-1])
@@ -179,21 +230,25 @@ class Generation:
                                  f"(root {tree.tokens[0]} vs {root}, {tree.size - 1} nodes for budget {self.budget})")
         # A round emits at most depth + 1 tokens; deeper nodes could never be used.
         tree = tree.truncated(self.params.max_new_tokens - len(self.output_ids) - 1)
-        positions = torch.tensor(tree.depths(), device=device) + self.cache.length
-        return ForwardPlan(self.cache, tree.tokens, positions, tree.ancestor_mask(device),
-                           list(range(tree.size)), tree)
+        positions = torch.tensor(tree.depths()) + self.cache.length
+        return ForwardPlan(self.cache, tree.tokens, positions, tree.ancestor_mask("cpu"), list(range(tree.size)),
+                           tree)
 
-    def apply(self, plan: ForwardPlan, logits: torch.Tensor, features: torch.Tensor | None = None) -> list[int]:
-        """Take the target's choices from `logits` (one row per plan.logits_rows) and commit what they accept.
-        `features`: the plan's per-token hidden states, when the generation has feature layers."""
+    def pick(self, plan: ForwardPlan, logits: torch.Tensor) -> torch.Tensor:
+        """The target's choices at the plan's logits rows, on the logits' device."""
         done = len(self.output_ids)
+        depths = [0] if plan.tree is None else plan.tree.depths()
+        return pick_tokens(logits, self.params, self.seed, [done + d for d in depths])
+
+    def apply(self, plan: ForwardPlan, choices: list[int], features: torch.Tensor | None = None) -> list[int]:
+        """Commit what the target's `choices` (from `pick`) accept. `features`: the plan's per-token hidden
+        states, when the generation has feature layers."""
         if plan.tree is None:  # prefill: the whole prompt is committed, its last row gives the first token
             kept = list(range(len(plan.tokens)))
-            committed = self._commit(choose_tokens(logits, self.params, self.seed, [done]))
+            committed = self._commit(choices)
             self.prefill_s = time.perf_counter() - self.started
             new_context = self.prompt_ids + committed
         else:
-            choices = choose_tokens(logits, self.params, self.seed, [done + d for d in plan.tree.depths()])
             kept, emitted = walk_tree(plan.tree, choices)
             self.last_accepted = len(kept) - 1  # kept holds the root plus the accepted nodes
             committed = self._commit(emitted)
@@ -290,10 +345,10 @@ class Generation:
 
 
 def generate(model: DecoderLM, tokenizer: Tokenizer, prompt_ids: list[int], params: GenerationParams,
-             drafter: Drafter | None = None, budget: int = 0, kv_pool: PagedKVCache | None = None
+             drafter: Drafter | None = None, budget: int = 0, verifier: TreeVerifier | None = None
              ) -> GenerationResult:
     """Run one request to the end. For streaming, drive a `Generation` and read what each `step()` returns."""
-    generation = Generation(model, tokenizer, prompt_ids, params, drafter, budget, kv_pool=kv_pool)
+    generation = Generation(model, tokenizer, prompt_ids, params, drafter, budget, verifier=verifier)
     while not generation.finished:
         generation.step()
     return generation.result()

@@ -22,7 +22,8 @@ from treeserve.telemetry import Tracing, VerifierMetrics
 from treeserve.tree import MAX_BUDGET
 from treeserve.v1 import generation_pb2, verifier_pb2, verifier_pb2_grpc
 from treeserve.verifier.drafter_link import DraftRound, DrafterLink
-from treeserve.verifier.engine import ForwardPlan, Generation, forward_batch
+from treeserve.verifier.engine import ForwardPlan, Generation, commit_round, forward_batch
+from treeserve.verifier.graphs import TreeVerifier, build_verifier
 from treeserve.wire import FINISH_REASONS, params_from_proto
 
 log = logging.getLogger("treeserve.verifier")
@@ -37,14 +38,20 @@ class Running:
 
 
 class Scheduler:
-    def __init__(self, target: LoadedModel, links: list[DrafterLink], max_batch: int,
+    """Admits a request when it has a batch place and its whole KV (prompt + max_new_tokens + one tree) fits in
+    what the pool has not promised to the running ones, so a round never runs out of blocks."""
+
+    def __init__(self, target: LoadedModel, verifier: TreeVerifier, links: list[DrafterLink], max_batch: int,
                  tracing: Tracing | None = None, metrics: VerifierMetrics | None = None):
-        self.target, self.links, self.max_batch = target, links, max_batch
+        self.target, self.verifier, self.links, self.max_batch = target, verifier, links, max_batch
         self.tracing = tracing or Tracing.off()
         self.metrics = metrics or VerifierMetrics()
         self.waiting: dict[str, Running] = {}
         self.running: dict[str, Running] = {}
         self.wake = asyncio.Event()
+        self.pool_tokens = verifier.pool.allocator.num_blocks * verifier.pool.block_size
+        self.round_in_flight = False
+        self.release_after_round: list[Generation] = []
         # The target layers whose hidden states the drafters need, known once one has connected; every drafter
         # of a verifier must want the same ones.
         self.feature_layer_ids: tuple[int, ...] = ()
@@ -66,8 +73,19 @@ class Scheduler:
         """A drafter that conditions on features can take only requests that kept them from their prefill."""
         return not link.feature_layer_ids or entry.generation.keep_features
 
+    def blocks_promised(self, generation: Generation) -> int:
+        return -(-generation.kv_tokens_needed // self.verifier.pool.block_size)
+
+    def fits(self, generation: Generation) -> bool:
+        promised = sum(self.blocks_promised(entry.generation) for entry in self.running.values())
+        return promised + self.blocks_promised(generation) <= self.verifier.pool.allocator.num_blocks
+
     def submit(self, request_id: str, generation: Generation,
                span: trace.Span = trace.INVALID_SPAN) -> asyncio.Queue:
+        """Queue a request; one that could never fit the KV pool is refused (TreeserveError)."""
+        if generation.kv_tokens_needed > self.pool_tokens:
+            raise TreeserveError(f"the request needs {generation.kv_tokens_needed} tokens of KV cache (prompt + "
+                                 f"max_new_tokens + budget), and this verifier holds {self.pool_tokens}")
         speculate = generation.budget > 0 and bool(self.links)
         link = min(self.links, key=self._load) if speculate else None
         self.waiting[request_id] = Running(generation, asyncio.Queue(), link, span)
@@ -76,19 +94,25 @@ class Scheduler:
         return self.waiting[request_id].outbox
 
     def cancel(self, request_id: str) -> bool:
-        """Free the request's KV (dropping the Generation frees its cache) and tell its drafter to forget it.
-        False when the request had already left (finished or failed)."""
+        """Free the request's KV blocks and tell its drafter to forget it. False when the request had already
+        left (finished or failed). During a round the blocks go back once the round's forward has ended: it may
+        still be writing to them, or reserving more."""
         entry = self.waiting.pop(request_id, None) or self.running.pop(request_id, None)
-        if entry is not None and entry.link is not None:
-            entry.link.forget(request_id)
+        if entry is not None:
+            if self.round_in_flight:
+                self.release_after_round.append(entry.generation)
+            else:
+                entry.generation.release()
+            if entry.link is not None:
+                entry.link.forget(request_id)
         self._update_gauges()
         return entry is not None
 
     def _update_gauges(self) -> None:
-        entries = [*self.waiting.values(), *self.running.values()]
         self.metrics.waiting.set(len(self.waiting))
         self.metrics.running.set(len(self.running))
-        self.metrics.kv_slots.set(sum(entry.generation.cache.capacity for entry in entries))
+        allocator = self.verifier.pool.allocator
+        self.metrics.kv_slots.set((allocator.num_blocks - allocator.free_count) * self.verifier.pool.block_size)
 
     def _load(self, link: DrafterLink) -> int:
         return sum(1 for entry in self.running.values() if entry.link is link)
@@ -100,6 +124,8 @@ class Scheduler:
                 await self.wake.wait()
             while self.waiting and len(self.running) < self.max_batch:
                 request_id = next(iter(self.waiting))
+                if not self.fits(self.waiting[request_id].generation):
+                    break  # first come, first served: it waits for running requests to finish
                 self.running[request_id] = self.waiting.pop(request_id)
             self._update_gauges()
             try:
@@ -145,12 +171,14 @@ class Scheduler:
                 for request_id, entry in self.running.items()}
 
     async def _round(self) -> None:
+        started = time.perf_counter()
         spans = self._start_spans()
         try:
             await self._verify(spans)
         finally:
             for span in spans.values():
                 span.end()
+        self.metrics.round_seconds.labels(phase="round").observe(time.perf_counter() - started)
 
     async def _verify(self, spans: dict[str, trace.Span]) -> None:
         trees = await self._drafts(spans)
@@ -164,15 +192,23 @@ class Scheduler:
         if not plans:
             return
         started = time.perf_counter()
-        wants_features = any(entry.generation.keep_features for entry in self.running.values())
-        logits, features = await asyncio.to_thread(forward_batch, self.target.model, list(plans.values()),
-                                                   self.feature_layer_ids if wants_features else ())
-        for (request_id, plan), rows, plan_features in zip(plans.items(), logits, features):
-            entry = self.running.get(request_id)
-            if entry is None:  # cancelled while the forward ran
-                continue
+        self.round_in_flight = True
+        try:  # always the same feature layers: the CUDA graphs were captured computing them
+            logits, features = await asyncio.to_thread(forward_batch, self.target.model, list(plans.values()),
+                                                       self.feature_layer_ids, self.verifier)
+        finally:
+            self.round_in_flight = False
+            for generation in self.release_after_round:
+                generation.release()
+            self.release_after_round.clear()
+            self._update_gauges()
+        alive = [request_id for request_id in plans if request_id in self.running]  # some may have been cancelled
+        index = {request_id: i for i, request_id in enumerate(plans)}
+        committed_lists = commit_round([self.running[r].generation for r in alive], [plans[r] for r in alive],
+                                       [logits[index[r]] for r in alive], [features[index[r]] for r in alive])
+        for request_id, committed in zip(alive, committed_lists):
+            entry, plan = self.running[request_id], plans[request_id]
             generation = entry.generation
-            committed = generation.apply(plan, rows, plan_features)
             self.metrics.generated_tokens.inc(len(committed))
             if plan.tree is not None:
                 self.metrics.record_round(plan.tree.size - 1, generation.last_accepted)
@@ -219,9 +255,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         verifier_pb2_grpc.add_VerifierServiceServicer_to_server(self, server)
         return [verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name]
 
-    def attach(self, target: LoadedModel) -> Scheduler:
+    def attach(self, target: LoadedModel, verifier: TreeVerifier | None = None) -> Scheduler:
+        """Start scheduling on a loaded target; `verifier` defaults to an eager one with a default-sized pool."""
         self.target = target
-        self.scheduler = Scheduler(target, self.links, self.max_batch, self.tracing, self.metrics)
+        verifier = verifier or build_verifier(target.model, self.max_batch, graphs="off")
+        self.scheduler = Scheduler(target, verifier, self.links, self.max_batch, self.tracing, self.metrics)
         return self.scheduler
 
     async def Generate(self, request, context):
@@ -237,7 +275,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             # A speculating request keeps its target features in case its drafter conditions on them.
             features = self.scheduler.feature_layer_ids if budget > 0 else ()
             generation = Generation(target.model, target.tokenizer, list(request.prompt_token_ids), params,
-                                    None, budget, features)
+                                    None, budget, features, verifier=self.scheduler.verifier)
         except TreeserveError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         request_id = f"{request.request_id or 'request'}-{uuid.uuid4().hex[:8]}"
@@ -246,7 +284,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             kind=trace.SpanKind.SERVER, attributes={"treeserve.request_id": request_id,
                                                     "treeserve.prompt_tokens": len(request.prompt_token_ids),
                                                     "treeserve.budget": budget})
-        outbox = self.scheduler.submit(request_id, generation, span)
+        try:
+            outbox = self.scheduler.submit(request_id, generation, span)
+        except TreeserveError as error:
+            span.end()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         try:
             while True:
                 message = await outbox.get()

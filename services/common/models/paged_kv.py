@@ -4,11 +4,13 @@
 keys and values as views, the layout the tree-attention and KV-write kernels read. A `PagedSequence` owns the
 blocks of one request: its committed prefix, then room for the tree being verified. After a round, `keep`
 moves the accepted rows down to the end of the prefix (all layers in one copy) and returns the blocks past the
-new end to the allocator, so a rejected branch holds nothing. `PagedBatchAttention` runs one model forward for
-several sequences over the pool.
+new end to the allocator, so a rejected branch holds nothing. `PagedAttention` runs one model forward for several
+sequences over the pool.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -103,37 +105,56 @@ class PagedSequence:
         self.blocks, self.length = [], 0
 
 
-class PagedBatchAttention:
-    """Attention for one forward over several requests in the paged cache. Rows come as the engine lays them
-    out: request 0's rows, then request 1's, and so on. Each request's new keys and values go to slots reserved
-    after its committed prefix; each new row sees that whole prefix and, among the request's new rows, what its
-    mask allows (a tree's ancestors and itself, or causal for a prefill). After the forward, the caller commits
-    rows with `sequence.keep(...)`; `keep([])` drops them all.
+@dataclasses.dataclass
+class PagedInputs:
+    """Where one forward's new rows go in the paged cache and what each sees, for `batch` requests of up to
+    `rows` new rows each (the kernels' padded layout; request b's row i is padded row b * rows + i).
+
+    slots: the cache slot of each forward row, in the forward's own row order, -1 for a padding row (writes
+    nowhere); tables (batch, width) int32: block tables; prefix_lens, new_counts (batch,) int32: committed rows,
+    and new rows (0 for a padding request); tree_mask (batch, rows, rows) int8, or None for causal (a prompt)."""
+
+    slots: torch.Tensor
+    tables: torch.Tensor
+    prefix_lens: torch.Tensor
+    new_counts: torch.Tensor
+    tree_mask: torch.Tensor | None
+
+    @property
+    def batch(self) -> int:
+        return self.tables.shape[0]
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [getattr(self, field.name) for field in dataclasses.fields(self)]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "PagedInputs":
+        return PagedInputs(*(None if t is None else t.to(device, non_blocking=non_blocking)
+                             for t in self.tensors()))
+
+
+def block_table(sequences: list[PagedSequence], width: int | None = None) -> torch.Tensor:
+    """(batch, width) int32 block tables, zero past each sequence's blocks (never read: lengths bound reads)."""
+    tables = torch.zeros(len(sequences), width or max(len(s.blocks) for s in sequences), dtype=torch.int32)
+    for b, sequence in enumerate(sequences):
+        tables[b, :len(sequence.blocks)] = torch.tensor(sequence.blocks, dtype=torch.int32)
+    return tables
+
+
+class PagedAttention:
+    """Attention for one forward over the paged cache: each layer writes the new keys/values at `inputs.slots`,
+    then every new row attends to its request's prefix and to the new rows its mask allows.
+
+    The model's rows are either already padded (batch * rows, the verifier's layout, fixed per CUDA graph), or
+    packed (request 0's rows, then request 1's, ...: a prefill, where padding prompts to the longest would waste
+    work); `packed_rows` (request index, row index) per forward row, and the padded width, then places them.
 
     `kernels` picks the Triton kernels (on a GPU, or under TRITON_INTERPRET=1) over their PyTorch references;
     both take the same arguments, so a test can hold one against the other."""
 
-    def __init__(self, sequences: list[PagedSequence], masks: list[torch.Tensor], kernels: bool = False):
-        if len(sequences) != len(masks) or not sequences:
-            raise TreeserveError(f"paged attention: {len(sequences)} sequences but {len(masks)} masks")
-        self.cache = sequences[0].cache
-        device = self.cache.data.device
-        sizes = [mask.shape[0] for mask in masks]
-        prefix_lens = [sequence.length for sequence in sequences]
-        self.slots = torch.cat([sequence.reserve(n) for sequence, n in zip(sequences, sizes)]).to(device)
-        batch, rows = len(sequences), max(sizes)
-        self.tables = torch.zeros(batch, max(len(s.blocks) for s in sequences), dtype=torch.int32)
-        self.tree_mask = torch.zeros(batch, rows, rows, dtype=torch.bool)
-        for b, (sequence, mask) in enumerate(zip(sequences, masks)):
-            self.tables[b, :len(sequence.blocks)] = torch.tensor(sequence.blocks, dtype=torch.int32)
-            self.tree_mask[b, :sizes[b], :sizes[b]] = mask
-        self.tables, self.tree_mask = self.tables.to(device), self.tree_mask.to(device)
-        self.prefix_lens = torch.tensor(prefix_lens, device=device)
-        self.tree_sizes = torch.tensor(sizes, device=device)
-        # Flat row i is row row_index[i] of request batch_index[i] in the padded (batch, rows) layout.
-        self.batch_index = torch.repeat_interleave(torch.arange(batch), torch.tensor(sizes)).to(device)
-        self.row_index = torch.cat([torch.arange(n) for n in sizes]).to(device)
-        self.padded_rows = rows
+    def __init__(self, cache: PagedKVCache, inputs: PagedInputs, kernels: bool = False,
+                 packed_rows: tuple[torch.Tensor, torch.Tensor, int] | None = None):
+        self.cache, self.inputs = cache, inputs
+        self.packed_rows, self.packed_width = (packed_rows[:2], packed_rows[2]) if packed_rows else (None, 0)
         if kernels:
             from treeserve.kernels.kv_write import kv_write
             from treeserve.kernels.tree_attention import tree_attention
@@ -142,10 +163,31 @@ class PagedBatchAttention:
             from treeserve.kernels.references import tree_attention_reference as tree_attention
         self.write, self.attend = kv_write, tree_attention
 
+    @classmethod
+    def for_prompts(cls, sequences: list[PagedSequence], counts: list[int], kernels: bool = False
+                    ) -> "PagedAttention":
+        """Packed rows: `counts[b]` new causal rows of sequence b, after its committed prefix (reserved here)."""
+        if len(sequences) != len(counts) or not sequences:
+            raise TreeserveError(f"paged attention: {len(sequences)} sequences but {len(counts)} row counts")
+        cache = sequences[0].cache
+        device = cache.data.device
+        prefix_lens = torch.tensor([sequence.length for sequence in sequences], dtype=torch.int32)
+        slots = torch.cat([sequence.reserve(n) for sequence, n in zip(sequences, counts)])
+        inputs = PagedInputs(slots, block_table(sequences), prefix_lens, torch.tensor(counts, dtype=torch.int32),
+                             None).to(device)
+        batch_index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        row_index = torch.cat([torch.arange(n) for n in counts])
+        return cls(cache, inputs, kernels, (batch_index.to(device), row_index.to(device), max(counts)))
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self.cache.layer(layer)
-        self.write(keys, values, k.to(keys.dtype), v.to(values.dtype), self.slots)
-        padded = q.new_zeros(len(self.tables), self.padded_rows, *q.shape[1:])
-        padded[self.batch_index, self.row_index] = q
-        out = self.attend(padded, keys, values, self.tables, self.prefix_lens, self.tree_sizes, self.tree_mask)
-        return out[self.batch_index, self.row_index]
+        inputs = self.inputs
+        self.write(keys, values, k.to(keys.dtype), v.to(values.dtype), inputs.slots)
+        if self.packed_rows is None:
+            padded = q.view(inputs.batch, -1, *q.shape[1:])
+        else:
+            padded = q.new_zeros(inputs.batch, self.packed_width, *q.shape[1:])
+            padded[self.packed_rows] = q
+        out = self.attend(padded, keys, values, inputs.tables, inputs.prefix_lens, inputs.new_counts,
+                          inputs.tree_mask)
+        return out.view(q.shape) if self.packed_rows is None else out[self.packed_rows]

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treeserve.kernels.references import rms_norm_reference, rope_reference
 from treeserve.models.config import ModelConfig
 
 
@@ -24,6 +25,12 @@ class Attention(Protocol):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
+def use_kernels(x: torch.Tensor) -> bool:
+    """The fused Triton kernels on a GPU at inference; their PyTorch references elsewhere and for training
+    (the kernels have no backward)."""
+    return x.is_cuda and not torch.is_grad_enabled()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -31,15 +38,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the storage dtype, as the reference implementations do.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        if use_kernels(x):
+            from treeserve.kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
+        return rms_norm_reference(x, self.weight, self.eps)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (N, H, D) at the positions of cos/sin (N, 1, D), from `rope_cos_sin`."""
+    if use_kernels(x):
+        from treeserve.kernels.rope import rope
+
+        return rope(x, cos, sin)
+    return rope_reference(x, cos, sin)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
@@ -73,8 +85,7 @@ class SelfAttention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attention(self.layer, q, k, v)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 

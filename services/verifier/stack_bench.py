@@ -1,0 +1,159 @@
+"""python -m treeserve.verifier.stack_bench: greedy tokens per second of the three-service stack at one request,
+with the verifier's CUDA graphs on and off, for plain decoding and each drafter.
+
+For each verifier mode it starts drafter, verifier and gateway (as `treeserve up` does) once per drafter
+configuration, sends the prompts one at a time through the gateway, and measures output tokens over wall time
+at the client. Plain decoding (speculation disabled per request) runs on the first stack of each mode, and every
+speculative output is compared with it token for token. Writes JSON with --out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from treeserve.cli import OneLineErrorParser
+from treeserve.errors import TreeserveError
+from treeserve.launcher import Stack
+from treeserve.params import GenerationParams
+from treeserve.serving import free_port
+
+DRAFTER_CONFIGS = {"ngram": ("ngram", "ddtree"), "dflash-chain": ("dflash", "chain"),
+                   "dflash-ddtree": ("dflash", "ddtree")}
+
+
+def read_prompts(path: Path, limit: int) -> list[dict]:
+    with path.open() as f:
+        prompts = [json.loads(line) for line in f if line.strip()]
+    return prompts[:limit]
+
+
+async def run_requests(gateway: str, prompts: list[dict], params: GenerationParams, speculate: bool) -> dict:
+    from treeserve.gateway.client import generate_via_gateway
+
+    outputs, tokens, elapsed, rounds = [], 0, 0.0, 0
+    for prompt in prompts:
+        result = await generate_via_gateway(gateway, prompt["prompt"], params, chat=prompt.get("chat", False),
+                                            drafter_enabled=speculate)
+        outputs.append(result["token_ids"])
+        tokens += len(result["token_ids"])
+        elapsed += result["elapsed_s"]
+        rounds += result["rounds"]
+    return {"outputs": outputs, "tokens": tokens, "elapsed_s": round(elapsed, 3),
+            "tokens_per_s": round(tokens / elapsed, 2), "tokens_per_round": round(tokens / max(1, rounds), 3)}
+
+
+def phase_totals(metrics_address: str) -> dict[str, tuple[float, float]]:
+    """(seconds, rounds) so far of each round phase, from the verifier's Prometheus histogram."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5).read().decode()
+    sums = dict(re.findall(r'treeserve_round_seconds_sum{phase="(\w+)"} (\S+)', text))
+    counts = dict(re.findall(r'treeserve_round_seconds_count{phase="(\w+)"} (\S+)', text))
+    return {phase: (float(sums[phase]), float(counts[phase])) for phase in sums}
+
+
+def phase_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean milliseconds per round of each phase between two `phase_totals`."""
+    means = {}
+    for phase, (seconds, count) in after.items():
+        seconds0, count0 = before.get(phase, (0.0, 0.0))
+        if count > count0:
+            means[phase] = round((seconds - seconds0) / (count - count0) * 1000, 3)
+    return means
+
+
+def start_stack(runtime: Path, args, kind: str, tree: str, graphs: str, metrics_address: str
+                ) -> tuple[Stack, str]:
+    stack = Stack(runtime)
+    common = ["--target", args.target, "--device", args.device, "--dtype", args.dtype]
+    drafter_args = ["--kind", kind, "--tree", tree, *common]
+    if kind == "dflash" and args.drafter_path:
+        drafter_args += ["--drafter-path", args.drafter_path]
+    drafter = stack.start("drafter", drafter_args)
+    stack.wait_serving(args.start_timeout_s)
+    verifier = stack.start("verifier", [*common, "--drafter", drafter, "--default-budget", str(args.budget),
+                                        "--cuda-graphs", graphs, "--max-batch", str(args.max_batch),
+                                        "--metrics-listen", metrics_address])
+    gateway = stack.start("gateway", ["--target", args.target, "--verifier", verifier])
+    stack.wait_serving(args.start_timeout_s)
+    return stack, gateway
+
+
+def parse_args(argv=None):
+    p = OneLineErrorParser(prog="python -m treeserve.verifier.stack_bench", description=__doc__)
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--drafter-path", help="DFlash checkpoint (default: the one shipped for the target)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--prompts", type=Path, default=Path("docs/prompts/held-out-code.jsonl"),
+                   help='JSONL of {"prompt": ..., "chat": true|false} (default: the held-out code prompts)')
+    p.add_argument("--limit", type=int, default=8, help="prompts to send (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--budget", type=int, default=32, help="tree budget of every speculative request (default 32)")
+    p.add_argument("--max-batch", type=int, default=8, help="the verifier's --max-batch (graphs captured up to it)")
+    p.add_argument("--graphs", default="on,off", help="verifier modes to measure (default on,off)")
+    p.add_argument("--drafters", default=",".join(DRAFTER_CONFIGS), help=f"of {', '.join(DRAFTER_CONFIGS)}")
+    p.add_argument("--start-timeout-s", type=float, default=300)
+    p.add_argument("--out", help="write the figures here as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    prompts = read_prompts(args.prompts, args.limit)
+    params = GenerationParams(max_new_tokens=args.max_new_tokens)
+    rows = []
+    try:
+        for graphs in args.graphs.split(","):
+            plain = None
+            for name in args.drafters.split(","):
+                if name not in DRAFTER_CONFIGS:
+                    raise TreeserveError(f"unknown drafter configuration {name!r}")
+                metrics_address = f"127.0.0.1:{free_port()}"
+                with tempfile.TemporaryDirectory(prefix="treeserve-bench-") as runtime:
+                    stack, gateway = start_stack(Path(runtime), args, *DRAFTER_CONFIGS[name], graphs, metrics_address)
+                    try:
+                        if plain is None:
+                            plain = asyncio.run(run_requests(gateway, prompts, params, speculate=False))
+                            plain["round_ms"] = phase_means({}, phase_totals(metrics_address))
+                            rows.append({"graphs": graphs, "drafter": "none"} | without_outputs(plain))
+                            print_row(rows[-1])
+                        before = phase_totals(metrics_address)
+                        found = asyncio.run(run_requests(gateway, prompts, params, speculate=True))
+                        found["round_ms"] = phase_means(before, phase_totals(metrics_address))
+                    finally:
+                        stack.stop(5)
+                same = sum(a == b for a, b in zip(found["outputs"], plain["outputs"]))
+                rows.append({"graphs": graphs, "drafter": name, "identical_to_plain": f"{same}/{len(prompts)}"}
+                            | without_outputs(found) | {"speedup": round(found["tokens_per_s"]
+                                                                         / plain["tokens_per_s"], 3)})
+                print_row(rows[-1])
+    except TreeserveError as error:
+        print(f"stack_bench: error: {error}", file=sys.stderr)
+        return 1
+    if args.out:
+        command = "python -m treeserve.verifier.stack_bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+        with open(args.out, "w") as f:
+            json.dump({"command": command, "prompts": len(prompts), "budget": args.budget, "dtype": args.dtype,
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+def without_outputs(result: dict) -> dict:
+    return {key: value for key, value in result.items() if key != "outputs"}
+
+
+def print_row(row: dict) -> None:
+    print(f"graphs {row['graphs']:3s} {row['drafter']:14s} {row['tokens_per_s']:8.1f} tok/s "
+          f"{row['tokens_per_round']:.2f} tok/round {row.get('identical_to_plain', ''):5s} ms/round: "
+          f"{row.get('round_ms')}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Tree verification in the graphs' fixed layout: padding to a bucket changes nothing (CPU), and on a GPU every
+captured bucket replays what eager execution computes, at every budget, with padded requests and contexts near
+the maximum length."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from random_targets import random_target
+from treeserve.errors import TreeserveError
+from treeserve.models.paged_kv import PagedKVCache
+from treeserve.tree import DraftTree
+from treeserve.verifier.graphs import TREE_BUCKETS, TreeRows, TreeVerifier, buckets_up_to, stage_trees
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def random_tree(size: int, rng: random.Random, vocab: int) -> DraftTree:
+    parents = [-1] + [rng.randrange(i) for i in range(1, size)]
+    return DraftTree([rng.randrange(vocab) for _ in range(size)], parents)
+
+
+def requests_in(pool: PagedKVCache, prefix_lens: list[int], tree_sizes: list[int], seed: int):
+    """Sequences with committed prefixes of random keys/values, and a random tree for each."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    sequences, trees = [], []
+    for prefix, size in zip(prefix_lens, tree_sizes):
+        sequence = pool.sequence()
+        slots = sequence.reserve(prefix).to(pool.data.device)
+        flat = pool.data.flatten(2, 3)
+        flat[:, :, slots] = torch.randn(flat[:, :, slots].shape, generator=g).to(flat)
+        sequence.keep(list(range(prefix)))
+        sequences.append(sequence)
+        trees.append(random_tree(size, rng, vocab=96))
+    tokens = [tree.tokens for tree in trees]
+    positions = [torch.tensor(tree.depths()) + s.length for tree, s in zip(trees, sequences)]
+    return sequences, tokens, positions, [tree.ancestor_mask() for tree in trees]
+
+
+def test_buckets_cover_every_budget_and_end_at_the_maxima():
+    assert TREE_BUCKETS == (1, 2, 3, 5, 9, 17, 33, 65, 129)
+    assert buckets_up_to(40, TREE_BUCKETS) == [1, 2, 3, 5, 9, 17, 33, 40]
+    verifier = TreeVerifier(random_target("llama"), PagedKVCache(random_target("llama").config, 8, 4,
+                                                                 torch.float32, "cpu"), max_batch=6, max_tree=17)
+    assert {b for b, _ in verifier.buckets} == {1, 2, 4, 6}
+    assert {t for _, t in verifier.buckets} == {1, 2, 3, 5, 9, 17}
+
+
+def test_padding_to_a_bucket_changes_neither_logits_nor_the_cache():
+    """Three requests padded to a bucket of 5 requests x 33 rows: the real rows' logits match the unpadded
+    forward, padding rows write no slot, and padding requests read nothing."""
+    model = random_target("qwen2", seed=2, weight_scale=2.0)
+    pool = PagedKVCache(model.config, num_blocks=64, block_size=8, dtype=torch.float32, device="cpu")
+    verifier = TreeVerifier(model, pool, max_batch=5, max_tree=33)
+    sequences, tokens, positions, masks = requests_in(pool, [3, 40, 17], [9, 1, 30], seed=1)
+    with torch.inference_mode():
+        exact = stage_trees(sequences, tokens, positions, masks, 3, 30, verifier.table_width, pin=False)
+        padded = stage_trees(sequences, tokens, positions, masks, 5, 33, verifier.table_width, pin=False)
+        before = pool.data.clone()
+        want, want_features = verifier._forward(exact, (0, 1))
+        after_exact = pool.data.clone()
+        pool.data.copy_(before)
+        got, got_features = verifier._forward(padded, (0, 1))
+    for b, n in enumerate(len(t) for t in tokens):
+        torch.testing.assert_close(got.view(5, 33, -1)[b, :n], want.view(3, 30, -1)[b, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_features.view(5, 33, -1)[b, :n], want_features.view(3, 30, -1)[b, :n],
+                                   atol=1e-5, rtol=1e-5)
+    written = torch.zeros(pool.data.shape[2] * pool.block_size, dtype=torch.bool)
+    for sequence, tree_tokens in zip(sequences, tokens):  # the trees' own rows, and nothing else
+        written[sequence.slots(sequence.length, len(tree_tokens))] = True
+    flat = lambda data: data.flatten(2, 3)  # noqa: E731
+    assert torch.equal(flat(pool.data)[:, :, ~written], flat(before)[:, :, ~written]), "padding wrote a slot"
+    torch.testing.assert_close(flat(pool.data)[:, :, written], flat(after_exact)[:, :, written])
+
+
+def test_replay_refuses_inputs_of_another_size():
+    static = torch.zeros(4, dtype=torch.long)
+    model = random_target("llama")
+    pool = PagedKVCache(model.config, 8, 4, torch.float32, "cpu")
+    sequences, tokens, positions, masks = requests_in(pool, [2], [3], seed=0)
+    staged = stage_trees(sequences, tokens, positions, masks, 1, 3, 4, pin=False)
+    with pytest.raises(TreeserveError, match="graph input of shape"):
+        TreeVerifier._load(TreeRows(static, static, staged.paged), staged)
+
+
+def test_graphs_need_a_gpu():
+    model = random_target("llama")
+    with pytest.raises(TreeserveError, match="CUDA graphs need"):
+        TreeVerifier(model, PagedKVCache(model.config, 8, 4, torch.float32, "cpu"), 1, graphs=True)
+
+
+# ------------------------------------------------------------------------------------------------- on a GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["llama3", "qwen3"])
+def test_graph_replay_equals_eager_in_every_bucket(case, dtype):
+    model = random_target(case, seed=4, weight_scale=2.0).to("cuda", dtype)
+    max_batch, max_context = 8, model.config.max_context
+    pool = PagedKVCache(model.config, num_blocks=max_batch * (max_context + 129) // 16 + 8, block_size=16,
+                        dtype=dtype, device="cuda")
+    graphs = TreeVerifier(model, pool, max_batch=max_batch, graphs=True)
+    graphs.capture(feature_layer_ids=(0, 1))
+    eager = TreeVerifier(model, pool, max_batch=max_batch)
+    rng = random.Random(0)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    batch_buckets = sorted({b for b, _ in graphs.buckets})
+    for seed, (batch, rows) in enumerate(graphs.buckets):
+        smaller = [b for b in batch_buckets if b < batch]
+        real_batch = rng.randint(max(smaller, default=0) + 1, batch)  # the rest of the bucket is padding requests
+        sizes = [rows] + [rng.randint(1, rows) for _ in range(real_batch - 1)]  # one tree fills the bucket
+        prefixes = [max_context - rows] + [rng.randint(1, max_context - rows) for _ in range(real_batch - 1)]
+        requests = requests_in(pool, prefixes, sizes, seed)
+        assert graphs.bucket(real_batch, rows) == (batch, rows)
+        want, want_features = eager.verify(*requests, feature_layer_ids=(0, 1))
+        want = [w.clone() for w in want]
+        got, got_features = graphs.verify(*requests, feature_layer_ids=(0, 1))
+        for got_rows, want_rows, got_f, want_f in zip(got, want, got_features, want_features):
+            # bfloat16 rounds differently in the bucket's padded shapes: tolerances scale with the values.
+            scale = want_rows.abs().max().clamp(min=1).item()
+            torch.testing.assert_close(got_rows, want_rows, atol=tolerance * scale, rtol=tolerance)
+            feature_scale = want_f.float().abs().max().clamp(min=1).item()
+            torch.testing.assert_close(got_f.float(), want_f.float(), atol=tolerance * feature_scale, rtol=tolerance)
+            # The same choices, unless the top two are within the tolerance of each other (a near-tie).
+            top2 = want_rows.topk(2, dim=-1).values
+            clear = (top2[:, 0] - top2[:, 1]) > 2 * tolerance * scale
+            assert torch.equal(got_rows.argmax(-1)[clear], want_rows.argmax(-1)[clear])
+        for sequence in requests[0]:
+            sequence.release()
+    assert pool.allocator.free_count == pool.allocator.num_blocks
