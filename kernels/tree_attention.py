@@ -32,15 +32,17 @@ def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_stat_ptr, tables_ptr, prefix_ptr, size_ptr, mask_ptr, scale,
     stride_qb, stride_qt, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
     stride_ob, stride_ot, stride_oh, stride_tb, stride_mb, stride_mi,
-    stride_as, stride_ab, stride_at, stride_ah, stride_ss, stride_sb, stride_st, stride_sh,
+    stride_as, stride_ab, stride_at, stride_ah, stride_ss, stride_sb, stride_st, stride_sh, splits,
     GROUP: tl.constexpr, PADDED_GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PADDED_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PADDED_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    # `splits` is a runtime value, not a constexpr: it varies with the shapes, and each new constexpr value
+    # would compile the kernel again (seconds) in the middle of a request.
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
-    row_block = tl.program_id(2) // SPLITS
-    split = tl.program_id(2) % SPLITS
+    row_block = tl.program_id(2) // splits
+    split = tl.program_id(2) % splits
     prefix = tl.load(prefix_ptr + b)
     size = tl.load(size_ptr + b)
     length = prefix + size
@@ -59,7 +61,7 @@ def _tree_attention_kernel(
         q = q.to(tl.float32)
 
     # This program's key range: an equal share of the sequence, whole BLOCK_N tiles.
-    chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, length)
     best = tl.full((BLOCK_T * PADDED_GROUP,), float("-inf"), tl.float32)
@@ -99,7 +101,7 @@ def _tree_attention_kernel(
         best = new_best
         n0 += BLOCK_N
     keep = row_ok[:, None] & dim_ok[None, :]
-    if SPLITS == 1:
+    if splits == 1:
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=keep)
@@ -115,15 +117,15 @@ def _tree_attention_kernel(
 def _combine_splits_kernel(
     part_acc_ptr, part_stat_ptr, out_ptr, size_ptr,
     stride_as, stride_ab, stride_at, stride_ah, stride_ss, stride_sb, stride_st, stride_sh,
-    stride_ob, stride_ot, stride_oh,
-    SPLITS: tl.constexpr, PADDED_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
+    stride_ob, stride_ot, stride_oh, splits,
+    PADDED_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
 ):
     b = tl.program_id(0)
     t = tl.program_id(1)
     h = tl.program_id(2)
     if t < tl.load(size_ptr + b):
         s = tl.arange(0, PADDED_SPLITS)
-        s_ok = s < SPLITS
+        s_ok = s < splits
         dims = tl.arange(0, PADDED_DIM)
         stats = part_stat_ptr + s * stride_ss + b * stride_sb + t * stride_st + h * stride_sh
         best = tl.load(stats, mask=s_ok, other=float("-inf"))
@@ -182,15 +184,15 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bl
         q, keys, values, out, part_acc, part_stat, tables, prefix_lens.to(torch.int32).contiguous(), sizes, mask,
         scale, q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        tables.stride(0), mask.stride(0), mask.stride(1), *part_acc.stride()[:4], *part_stat.stride()[:4],
+        tables.stride(0), mask.stride(0), mask.stride(1), *part_acc.stride()[:4], *part_stat.stride()[:4], splits,
         GROUP=group, PADDED_GROUP=padded_group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, PADDED_DIM=padded_dim,
-        BLOCK_T=block_t, BLOCK_N=block_n, SPLITS=splits, CAUSAL=causal,
+        BLOCK_T=block_t, BLOCK_N=block_n, CAUSAL=causal,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 exact, not TF32
         # Triton's interpreter multiplies bfloat16 matrices wrongly (NumPy has no bfloat16): upcast there.
         UPCAST=os.environ.get("TRITON_INTERPRET") == "1" and q.dtype != torch.float32)
     if splits > 1:
         _combine_splits_kernel[(batch, rows, heads)](
             part_acc, part_stat, out, sizes, *part_acc.stride()[:4], *part_stat.stride()[:4],
-            out.stride(0), out.stride(1), out.stride(2), SPLITS=splits,
+            out.stride(0), out.stride(1), out.stride(2), splits,
             PADDED_SPLITS=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim, PADDED_DIM=padded_dim)
     return out

@@ -2,8 +2,8 @@
 with the verifier's CUDA graphs on and off, for plain decoding and each drafter.
 
 For each verifier mode it starts drafter, verifier and gateway (as `treeserve up` does) once per drafter
-configuration, sends the prompts one at a time through the gateway, and measures output tokens over wall time
-at the client. Plain decoding (speculation disabled per request) runs on the first stack of each mode, and every
+configuration, sends the prompts one at a time through the gateway (after one untimed warm-up request), and
+measures output tokens over wall time at the client. Plain decoding (speculation disabled per request) runs on the first stack of each mode, and every
 speculative output is compared with it token for token. Writes JSON with --out.
 """
 
@@ -109,6 +109,17 @@ def main(argv=None) -> int:
     prompts = read_prompts(args.prompts, args.limit)
     params = GenerationParams(max_new_tokens=args.max_new_tokens)
     rows = []
+    command = "python -m treeserve.verifier.stack_bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+    def record(row: dict) -> None:
+        """Print the row and rewrite the JSON, so a run cut off by a time limit keeps what it measured."""
+        rows.append(row)
+        print_row(row)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"command": command, "prompts": len(prompts), "budget": args.budget, "dtype": args.dtype,
+                           "rows": rows}, f, indent=1)
+
     try:
         for graphs in args.graphs.split(","):
             plain = None
@@ -119,29 +130,26 @@ def main(argv=None) -> int:
                 with tempfile.TemporaryDirectory(prefix="treeserve-bench-") as runtime:
                     stack, gateway = start_stack(Path(runtime), args, *DRAFTER_CONFIGS[name], graphs, metrics_address)
                     try:
+                        # Untimed: the first requests of a fresh stack compile kernels and pick GEMM algorithms.
+                        asyncio.run(run_requests(gateway, prompts[:1], GenerationParams(max_new_tokens=16), True))
+                        asyncio.run(run_requests(gateway, prompts[:1], GenerationParams(max_new_tokens=16), False))
+                        before = phase_totals(metrics_address)
                         if plain is None:
                             plain = asyncio.run(run_requests(gateway, prompts, params, speculate=False))
-                            plain["round_ms"] = phase_means({}, phase_totals(metrics_address))
-                            rows.append({"graphs": graphs, "drafter": "none"} | without_outputs(plain))
-                            print_row(rows[-1])
-                        before = phase_totals(metrics_address)
+                            after = phase_totals(metrics_address)
+                            plain["round_ms"] = phase_means(before, after)
+                            record({"graphs": graphs, "drafter": "none"} | without_outputs(plain))
+                            before = after
                         found = asyncio.run(run_requests(gateway, prompts, params, speculate=True))
                         found["round_ms"] = phase_means(before, phase_totals(metrics_address))
                     finally:
                         stack.stop(5)
                 same = sum(a == b for a, b in zip(found["outputs"], plain["outputs"]))
-                rows.append({"graphs": graphs, "drafter": name, "identical_to_plain": f"{same}/{len(prompts)}"}
-                            | without_outputs(found) | {"speedup": round(found["tokens_per_s"]
-                                                                         / plain["tokens_per_s"], 3)})
-                print_row(rows[-1])
+                record({"graphs": graphs, "drafter": name, "identical_to_plain": f"{same}/{len(prompts)}"}
+                       | without_outputs(found) | {"speedup": round(found["tokens_per_s"] / plain["tokens_per_s"], 3)})
     except TreeserveError as error:
         print(f"stack_bench: error: {error}", file=sys.stderr)
         return 1
-    if args.out:
-        command = "python -m treeserve.verifier.stack_bench " + shlex.join(sys.argv[1:] if argv is None else argv)
-        with open(args.out, "w") as f:
-            json.dump({"command": command, "prompts": len(prompts), "budget": args.budget, "dtype": args.dtype,
-                       "rows": rows}, f, indent=1)
     return 0
 
 

@@ -1,0 +1,41 @@
+"""The GPU benches run end to end on the CPU with tiny shapes, so they cannot rot between GPU sessions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tiny_models
+
+
+def test_graph_bench_on_the_cpu(tmp_path):
+    from treeserve.verifier.graph_bench import main
+
+    out = tmp_path / "graph.json"
+    assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1,2", "--tree-sizes",
+                 "1,5", "--context", "40", "--repeats", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = report["verification"]
+    assert [(r["batch"], r["tree_nodes"]) for r in rows] == [(1, 1), (1, 5), (2, 1), (2, 5)]
+    assert all(r["ms"] > 0 and r["graphs"] is False for r in rows)
+    assert report["command"].startswith("python -m treeserve.verifier.graph_bench --shape tiny")
+
+
+@pytest.mark.slow
+def test_stack_bench_on_the_cpu(tmp_path):
+    """Two prompts through the three services, plain then n-gram: identical outputs and phases per round."""
+    from treeserve.verifier.stack_bench import main
+
+    target = tiny_models.write_hf_folder("qwen3", tmp_path / "model", seed=0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"one two three {i} one two three {i}", "chat": False})
+                                 for i in range(2)))
+    out = tmp_path / "stack.json"
+    assert main(["--target", str(target), "--device", "cpu", "--dtype", "float32", "--graphs", "off",
+                 "--drafters", "ngram", "--prompts", str(prompts), "--limit", "2", "--max-new-tokens", "12",
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["drafter"] for r in rows] == ["none", "ngram"]
+    assert rows[1]["identical_to_plain"] == "2/2"
+    assert {"verify", "round"} <= set(rows[0]["round_ms"]) and "draft" in rows[1]["round_ms"]
