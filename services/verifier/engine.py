@@ -123,7 +123,8 @@ def _mask(plan: ForwardPlan) -> torch.Tensor:
 def commit_round(generations: list["Generation"], plans: list[ForwardPlan], logits: list[torch.Tensor],
                  features: list[torch.Tensor | None]) -> list[list[int]]:
     """Each generation's choices from its logits, moved to the host in one transfer (the round's one wait on
-    the device), then committed; returns each generation's committed tokens."""
+    the device), then committed; the kept features of those that keep them follow in one more transfer.
+    Returns each generation's committed tokens."""
     if not generations:
         return []
     picks = [generation.pick(plan, rows) for generation, plan, rows in zip(generations, plans, logits)]
@@ -132,6 +133,11 @@ def commit_round(generations: list["Generation"], plans: list[ForwardPlan], logi
     for generation, plan, plan_features, pick in zip(generations, plans, features, picks):
         committed.append(generation.apply(plan, flat[start:start + len(pick)], plan_features))
         start += len(pick)
+    keeping = [generation for generation in generations if generation.keep_features]
+    if keeping:
+        host = torch.cat([generation.last_features for generation in keeping]).to("cpu")
+        for generation, chunk in zip(keeping, host.split([len(g.last_features) for g in keeping])):
+            generation.feature_chunks.append(chunk)
     return committed
 
 
@@ -262,9 +268,7 @@ class Generation:
         if self.feature_layer_ids:
             if features is None:
                 raise TreeserveError("this generation needs target features, and the forward gave none")
-            self.last_features = features[kept]
-            if self.keep_features:
-                self.feature_chunks.append(self.last_features.to("cpu"))
+            self.last_features = features[kept]  # kept on the host by commit_round, when keep_features
         if self.drafter is not None and not self.finished:
             self.drafter.extend(self.draft_context, new_context, self.last_features)
         return committed
