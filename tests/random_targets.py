@@ -105,8 +105,9 @@ def random_dflash_drafter(target: DecoderLM, tree: str, seed: int = 0, block_siz
 
 def target_features(target, tokens: list[int], layer_ids) -> torch.Tensor:
     """The target's hidden states after `layer_ids` for `tokens`, from one causal forward from scratch."""
-    n = len(tokens)
-    cache = KVCache(target.config, n, target.dtype, target.device)
-    _, hidden = target(torch.tensor(tokens), torch.arange(n), TreeAttention(cache, torch.ones(n, n).tril().bool()),
+    n, device = len(tokens), target.device
+    cache = KVCache(target.config, n, target.dtype, device)
+    mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    _, hidden = target(torch.tensor(tokens, device=device), torch.arange(n, device=device), TreeAttention(cache, mask),
                        hidden_layer_ids=layer_ids)
     return torch.cat(hidden, dim=-1)

@@ -1,6 +1,6 @@
 """The DFlash drafter model: a z-lab-layout checkpoint written here loads, and its block forward (with context
-keys/values cached across rounds, several requests batched) equals a naive implementation written from the
-paper's description."""
+keys/values cached across rounds in a paged pool, several requests batched) equals a naive implementation
+written from the paper's description."""
 
 from __future__ import annotations
 
@@ -114,35 +114,56 @@ def test_checkpoint_loads_with_its_config(checkpoint):
     assert cfg.feature_size == HIDDEN * len(TARGET_LAYERS) and cfg.layers.num_layers == LAYERS
 
 
+def block_forward(model, pool, sequences, blocks: list[torch.Tensor]) -> torch.Tensor:
+    """The model's block forward over the pool: each block sees its sequence's context and the whole block."""
+    from treeserve.models.graphs import stage_trees
+    from treeserve.models.paged_kv import PagedAttention
+
+    positions = [torch.arange(s.length, s.length + BLOCK) for s in sequences]
+    rows = stage_trees(sequences, [[0] * BLOCK for _ in sequences], positions,
+                       [torch.ones(BLOCK, BLOCK, dtype=torch.bool)] * len(sequences), len(sequences), BLOCK,
+                       table_width=200, pin=False)
+    out = model(torch.cat(blocks), rows.positions, PagedAttention(pool, rows.paged))
+    for sequence in sequences:
+        sequence.keep([])  # the block is not context
+    return out
+
+
 def test_block_forward_equals_the_naive_implementation(checkpoint):
+    from treeserve.models.paged_kv import PagedKVCache
+
     folder, weights = checkpoint
     model = load_dflash(folder)
     g = torch.Generator().manual_seed(1)
     lengths = [7, 12]  # two requests with different context lengths, batched in one forward
     features = [torch.randn(n, HIDDEN * len(TARGET_LAYERS), generator=g) for n in lengths]
     blocks = [torch.randn(BLOCK, HIDDEN, generator=g) for _ in lengths]
-    contexts = []
+    pool = PagedKVCache(model.config.layers, 16, 4, torch.float32, "cpu")  # pages of 4: contexts straddle them
+    sequences = []
     for feats in features:
-        context = model.new_context()
+        sequence = pool.sequence()
         # Context arrives over rounds: the cache must equal computing it at once.
-        model.extend_context(context, feats[:3])
-        model.extend_context(context, feats[3:])
-        contexts.append(context)
-    positions = torch.cat([torch.arange(n, n + BLOCK) for n in lengths])
-    got = model(torch.cat(blocks), positions, contexts)
+        model.extend_context(sequence, feats[:3])
+        model.extend_context(sequence, feats[3:])
+        sequences.append(sequence)
+    got = block_forward(model, pool, sequences, blocks)
     want = torch.cat([naive_block(weights, f, b, n) for f, b, n in zip(features, blocks, lengths)])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert [s.length for s in sequences] == lengths and pool.allocator.free_count == 16 - 2 - 3
 
 
-def test_context_grows_past_its_first_allocation(checkpoint):
+def test_a_long_context_over_many_pages(checkpoint):
+    from treeserve.models.paged_kv import PagedKVCache
+
     folder, weights = checkpoint
     model = load_dflash(folder)
     features = torch.randn(300, HIDDEN * len(TARGET_LAYERS), generator=torch.Generator().manual_seed(2))
-    context = model.new_context()
+    pool = PagedKVCache(model.config.layers, 40, 8, torch.float32, "cpu")
+    sequence = pool.sequence()
     for start in range(0, 300, 100):
-        model.extend_context(context, features[start:start + 100])
+        model.extend_context(sequence, features[start:start + 100])
     block = torch.randn(BLOCK, HIDDEN)
-    got = model(block, torch.arange(300, 300 + BLOCK), [context])
+    got = block_forward(model, pool, [sequence], [block])
     torch.testing.assert_close(got, naive_block(weights, features, block, 300), atol=1e-5, rtol=1e-5)
 
 
@@ -218,13 +239,15 @@ def test_the_drafter_context_holds_the_target_features_of_every_committed_token_
         generation.step()
     context = generation.draft_context
     tokens = generation.prompt_ids + generation.output_ids
-    assert context.tokens == tokens and context.kv.length == len(tokens) - 1
-    fresh = drafter.model.new_context()
+    assert context.tokens == tokens and context.sequence.length == len(tokens) - 1
+    fresh = drafter.pool.sequence()
     drafter.model.extend_context(fresh, target_features(target, tokens[:-1], (0, 1)))
-    torch.testing.assert_close(context.kv.keys[:, :, :fresh.length], fresh.keys[:, :, :fresh.length],
-                               atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(context.kv.values[:, :, :fresh.length], fresh.values[:, :, :fresh.length],
-                               atol=1e-5, rtol=1e-5)
+    flat = drafter.pool.data.flatten(2, 3)  # (keys/values, layers, slots, kv heads, head dim)
+    torch.testing.assert_close(flat[:, :, context.sequence.slots(0, fresh.length)],
+                               flat[:, :, fresh.slots(0, fresh.length)], atol=1e-5, rtol=1e-5)
+    fresh.release()
+    generation.release()
+    assert drafter.pool.allocator.free_count == drafter.pool.allocator.num_blocks  # every block came back
 
 
 def test_oracle_block_distributions_give_long_accepted_paths_and_the_same_tokens(monkeypatch):

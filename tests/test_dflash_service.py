@@ -125,6 +125,8 @@ def test_dflash_through_the_services_is_lossless_and_gets_the_target_features(tm
     for prompt, output in zip(PROMPTS + PROMPTS[:1], outputs):
         assert output == expected(target, prompt)
     assert check_received_features(target, drafter) == len(PROMPTS)
+    # Finished requests, then the closed stream, gave every context block back to the drafter's pool.
+    assert drafter.pool.allocator.free_count == drafter.pool.allocator.num_blocks
 
 
 def test_a_restarted_dflash_drafter_gets_every_request_resent(tmp_path, target):

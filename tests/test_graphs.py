@@ -13,7 +13,8 @@ from random_targets import random_target
 from treeserve.errors import TreeserveError
 from treeserve.models.paged_kv import PagedKVCache
 from treeserve.tree import DraftTree
-from treeserve.verifier.graphs import TREE_BUCKETS, TreeRows, TreeVerifier, buckets_up_to, stage_trees
+from treeserve.models.graphs import PagedRunner, TreeRows, buckets_up_to, stage_trees
+from treeserve.verifier.graphs import TREE_BUCKETS, TreeVerifier
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,8 +46,8 @@ def test_buckets_cover_every_budget_and_end_at_the_maxima():
     assert buckets_up_to(40, TREE_BUCKETS) == [1, 2, 3, 5, 9, 17, 33, 40]
     verifier = TreeVerifier(random_target("llama"), PagedKVCache(random_target("llama").config, 8, 4,
                                                                  torch.float32, "cpu"), max_batch=6, max_tree=17)
-    assert {b for b, _ in verifier.buckets} == {1, 2, 4, 6}
-    assert {t for _, t in verifier.buckets} == {1, 2, 3, 5, 9, 17}
+    assert {b for b, _ in verifier.runner.buckets} == {1, 2, 4, 6}
+    assert {t for _, t in verifier.runner.buckets} == {1, 2, 3, 5, 9, 17}
 
 
 def test_padding_to_a_bucket_changes_neither_logits_nor_the_cache():
@@ -57,13 +58,14 @@ def test_padding_to_a_bucket_changes_neither_logits_nor_the_cache():
     verifier = TreeVerifier(model, pool, max_batch=5, max_tree=33)
     sequences, tokens, positions, masks = requests_in(pool, [3, 40, 17], [9, 1, 30], seed=1)
     with torch.inference_mode():
-        exact = stage_trees(sequences, tokens, positions, masks, 3, 30, verifier.table_width, pin=False)
-        padded = stage_trees(sequences, tokens, positions, masks, 5, 33, verifier.table_width, pin=False)
+        exact = stage_trees(sequences, tokens, positions, masks, 3, 30, verifier.runner.table_width, pin=False)
+        padded = stage_trees(sequences, tokens, positions, masks, 5, 33, verifier.runner.table_width, pin=False)
         before = pool.data.clone()
-        want, want_features = verifier._forward(exact, (0, 1))
+        verifier.feature_layer_ids = (0, 1)
+        want, want_features = verifier._forward(exact)
         after_exact = pool.data.clone()
         pool.data.copy_(before)
-        got, got_features = verifier._forward(padded, (0, 1))
+        got, got_features = verifier._forward(padded)
     for b, n in enumerate(len(t) for t in tokens):
         torch.testing.assert_close(got.view(5, 33, -1)[b, :n], want.view(3, 30, -1)[b, :n], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got_features.view(5, 33, -1)[b, :n], want_features.view(3, 30, -1)[b, :n],
@@ -83,7 +85,7 @@ def test_replay_refuses_inputs_of_another_size():
     sequences, tokens, positions, masks = requests_in(pool, [2], [3], seed=0)
     staged = stage_trees(sequences, tokens, positions, masks, 1, 3, 4, pin=False)
     with pytest.raises(TreeserveError, match="graph input of shape"):
-        TreeVerifier._load(TreeRows(static, static, staged.paged), staged)
+        PagedRunner._load(TreeRows(static, static, staged.paged), staged)
 
 
 def test_graphs_need_a_gpu():
@@ -108,14 +110,14 @@ def test_graph_replay_equals_eager_in_every_bucket(case, dtype):
     eager = TreeVerifier(model, pool, max_batch=max_batch)
     rng = random.Random(0)
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
-    batch_buckets = sorted({b for b, _ in graphs.buckets})
-    for seed, (batch, rows) in enumerate(graphs.buckets):
+    batch_buckets = sorted({b for b, _ in graphs.runner.buckets})
+    for seed, (batch, rows) in enumerate(graphs.runner.buckets):
         smaller = [b for b in batch_buckets if b < batch]
         real_batch = rng.randint(max(smaller, default=0) + 1, batch)  # the rest of the bucket is padding requests
         sizes = [rows] + [rng.randint(1, rows) for _ in range(real_batch - 1)]  # one tree fills the bucket
         prefixes = [max_context - rows] + [rng.randint(1, max_context - rows) for _ in range(real_batch - 1)]
         requests = requests_in(pool, prefixes, sizes, seed)
-        assert graphs.bucket(real_batch, rows) == (batch, rows)
+        assert graphs.runner.bucket(real_batch, rows) == (batch, rows)
         want, want_features = eager.verify(*requests, feature_layer_ids=(0, 1))
         want = [w.clone() for w in want]
         got, got_features = graphs.verify(*requests, feature_layer_ids=(0, 1))
@@ -132,3 +134,38 @@ def test_graph_replay_equals_eager_in_every_bucket(case, dtype):
         for sequence in requests[0]:
             sequence.release()
     assert pool.allocator.free_count == pool.allocator.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dflash_block_forward_from_graphs_equals_eager(dtype):
+    """The DFlash drafter's block forward replayed from its graphs gives eager's log-probabilities, for every
+    batch bucket (padding requests included) and contexts of many lengths; the pool ends empty."""
+    from random_targets import random_dflash_drafter, target_features
+    from treeserve.drafter.dflash import DFlashDrafter
+
+    target = random_target("qwen3", seed=6, weight_scale=2.0)
+    model = random_dflash_drafter(target, "ddtree", seed=1).model.to("cuda", dtype)
+    target = target.to("cuda", dtype)
+    eager = DFlashDrafter(model, target.model.embed_tokens.weight, target.lm_head.weight, "ddtree", max_batch=8)
+    graphs = DFlashDrafter(model, target.model.embed_tokens.weight, target.lm_head.weight, "ddtree", max_batch=8,
+                           graphs=True)
+    graphs.capture()
+    rng = random.Random(2)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    for batch in (1, 2, 3, 5, 8):
+        histories = [[rng.randrange(96) for _ in range(rng.randint(2, 300))] for _ in range(batch)]
+        contexts = {eager: [], graphs: []}
+        for tokens in histories:
+            features = target_features(target, tokens[:-1], model.config.target_layer_ids)
+            for drafter in (eager, graphs):
+                contexts[drafter].append(drafter.new_context())
+                drafter.extend(contexts[drafter][-1], tokens, features)
+        want = eager.block_log_probs(contexts[eager])[1].clone()
+        got = graphs.block_log_probs(contexts[graphs])[1]
+        torch.testing.assert_close(got, want, atol=tolerance * want.abs().max().item(), rtol=tolerance)
+        for drafter in (eager, graphs):
+            for context in contexts[drafter]:
+                drafter.release(context)
+            assert drafter.pool.allocator.free_count == drafter.pool.allocator.num_blocks

@@ -77,8 +77,13 @@ def test_target_features_equal_the_cached_forward(target):
 
 def test_training_forward_equals_the_inference_path(target):
     """Two padded sequences, three anchors each (one at the first response position, one at the last possible),
-    against DFlashModel.extend_context + forward + the target's LM head, one anchor at a time."""
+    against DFlashModel.extend_context + forward over a paged pool + the target's LM head, one anchor at a
+    time."""
+    from treeserve.models.graphs import stage_trees
+    from treeserve.models.paged_kv import PagedAttention, PagedKVCache
+
     model = tiny_drafter(target, scale=0.3)
+    pool = PagedKVCache(model.config.layers, 16, 4, torch.float32, "cpu")
     block = model.config.block_size
     samples = [T.Sample(tuple(random_samples(1, seed=6, length=(20, 20))[0].tokens), 3),
                T.Sample(tuple(random_samples(1, seed=7, length=(13, 13))[0].tokens), 2)]
@@ -91,11 +96,15 @@ def test_training_forward_equals_the_inference_path(target):
         sequence = torch.tensor(sample.tokens)
         alone = T.target_features(target, sequence[None], LAYER_IDS)[0]
         for column, anchor in enumerate(anchors[row].tolist()):
-            context = model.new_context()
+            context = pool.sequence()
             model.extend_context(context, alone[:anchor])
             ids = torch.tensor([sample.tokens[anchor]] + [model.config.mask_token_id] * (block - 1))
-            hidden = model(target.model.embed_tokens(ids), torch.arange(anchor, anchor + block), [context])
-            want = target.lm_head(hidden)[1:]
+            rows = stage_trees([context], [ids.tolist()], [torch.arange(anchor, anchor + block)],
+                               [torch.ones(block, block, dtype=torch.bool)], 1, block, 16, pin=False)
+            with torch.no_grad():  # as at inference: the pool is written, never differentiated
+                hidden = model(target.model.embed_tokens(ids), rows.positions, PagedAttention(pool, rows.paged))
+                want = target.lm_head(hidden)[1:]
+            context.release()
             torch.testing.assert_close(logits[row, column], want, atol=2e-5, rtol=1e-5)
 
 

@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "under torchrun, its ranks); default 1")
     gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="default float32")
     gen.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
-                     help="verify trees by replaying CUDA graphs (auto: with --device cuda and --tp 1)")
+                     help="verify trees (and run a DFlash drafter's block) by replaying CUDA graphs (auto: with "
+                          "--device cuda and --tp 1)")
     add_generation_arguments(gen)
 
     from treeserve.gateway.client import add_client_arguments
@@ -182,8 +183,11 @@ def make_drafter(args, target):
         return None
     from treeserve.drafter import load_drafter
 
+    from treeserve.models.graphs import graphs_wanted
+
+    graphs = args.tp == 1 and graphs_wanted(args.cuda_graphs, args.device)
     return load_drafter(args.drafter, args.drafter_path, args.tree, target=target, device=args.device,
-                        dtype=args.dtype)
+                        dtype=args.dtype, max_batch=1, graphs=graphs)
 
 
 def resolved_drafter(args) -> str:

@@ -21,11 +21,13 @@ def resolve_kind(kind: str, target_spec: str | None) -> str:
 
 
 def load_drafter(kind: str, path: str | None = None, tree: str = "ddtree", *, target=None,
-                 target_spec: str | None = None, device: str = "cpu", dtype: str = "float32"):
+                 target_spec: str | None = None, device: str = "cpu", dtype: str = "float32", max_batch: int = 64,
+                 kv_cache_tokens: int = 0, graphs: bool = False):
     """A drafter by kind (auto, ngram, dflash, model) for a target: `target` when it is already loaded (a
     LoadedModel), else `target_spec`, of which a DFlash drafter loads the weights it borrows and a draft model
     only the tokenizer it must share. `path` is the DFlash checkpoint (default: the one shipped for the target)
-    or the draft model."""
+    or the draft model. A DFlash drafter keeps `kv_cache_tokens` of context (0: its default) and, with `graphs`,
+    replays its block forward from CUDA graphs up to `max_batch` requests (captured here)."""
     from treeserve.errors import TreeserveError
 
     spec = target.name if target is not None else target_spec
@@ -51,4 +53,8 @@ def load_drafter(kind: str, path: str | None = None, tree: str = "ddtree", *, ta
     from treeserve.drafter.dflash import DFlashDrafter
 
     target = target if target is not None else load_target(target_spec, device=device, dtype=dtype)
-    return DFlashDrafter.for_target(path, target.model, tree)
+    drafter = DFlashDrafter.for_target(path, target.model, tree, max_batch=max_batch,
+                                       kv_cache_tokens=kv_cache_tokens, graphs=graphs)
+    if graphs:
+        drafter.capture()
+    return drafter

@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=env("device", "cpu"), help="dflash, model: cpu or cuda (default cpu)")
     parser.add_argument("--dtype", default=env("dtype", "float32"),
                         help="dflash, model: float32 (default) or bfloat16")
+    parser.add_argument("--kv-cache-tokens", type=number(int, 0), default=env("kv-cache-tokens", 0),
+                        help="dflash: context tokens its pool holds over all requests (default 0: 262144 on "
+                             "cuda, 32768 on the CPU)")
+    parser.add_argument("--max-batch", type=number(int, 1), default=env("max-batch", 64),
+                        help="dflash with --cuda-graphs: requests per round the graphs cover (default %(default)s)")
+    parser.add_argument("--cuda-graphs", default=env("cuda-graphs", "auto"),
+                        help="dflash: replay the block forward from CUDA graphs: auto (with --device cuda), on, off")
     parser.add_argument("--max-budget", type=number(int, 1), default=env("max-budget", MAX_BUDGET),
                         help="largest tree a request may ask for, in drafted nodes (default %(default)s)")
     parser.add_argument("--grace-s", type=number(float, 0), default=env("grace-s", 10.0),
@@ -80,11 +87,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # argparse checks `choices` on the command line only, so values from the environment are checked here.
     for flag, value, allowed in (("--kind", args.kind, KINDS), ("--log-level", args.log_level, LOG_LEVELS),
                                  ("--tree", args.tree, TREES), ("--device", args.device, ("cpu", "cuda")),
-                                 ("--dtype", args.dtype, ("float32", "bfloat16"))):
+                                 ("--dtype", args.dtype, ("float32", "bfloat16")),
+                                 ("--cuda-graphs", args.cuda_graphs, ("auto", "on", "off"))):
         if value not in allowed:
             parser.error(f"argument {flag}: invalid choice {value!r} (choose from {', '.join(allowed)})")
     if args.kind == "model" and not args.drafter_path:
         parser.error("--kind model needs --drafter-path")
+    if args.cuda_graphs == "on" and args.device != "cuda":
+        parser.error("--cuda-graphs on needs --device cuda")
     args.kind = resolve_kind(args.kind, args.target)
     return args
 
@@ -96,8 +106,13 @@ async def serve(args: argparse.Namespace) -> None:
     service = await serving.start(args.listen, servicer.register)
     log.info("drafter %s listening on %s; loading", args.kind, service.address)
     try:
+        from treeserve.models.graphs import graphs_wanted
+
+        graphs = graphs_wanted(args.cuda_graphs, args.device)
         servicer.attach(await asyncio.to_thread(load_drafter, args.kind, args.drafter_path, args.tree,
-                                                target_spec=args.target, device=args.device, dtype=args.dtype))
+                                                target_spec=args.target, device=args.device, dtype=args.dtype,
+                                                max_batch=args.max_batch, kv_cache_tokens=args.kv_cache_tokens,
+                                                graphs=graphs))
     except BaseException:
         await serving.abandon(service)
         raise

@@ -3,11 +3,12 @@
 The target's hidden states after a few of its layers (`target_layer_ids`) are concatenated per token, projected
 by `fc` and normalised (`hidden_norm`): that is the context. Every draft layer turns the context into extra
 keys and values with its own k/v projections, k-norm and RoPE at the context tokens' positions; they are
-computed once per token and kept per request (`DraftContext`). A round runs the block [root, MASK x (b-1)] at
-positions root_position .. root_position + b - 1 through the layers; the block attends to the whole context
-and to itself without a causal mask. The final norm, then the target's own LM head, give a distribution for
-each of the next b - 1 positions. The block's embeddings also come from the target, so the checkpoint holds
-neither an embedding nor an LM head.
+computed once per token and kept per request, in a paged KV pool of the draft layers. A round runs the block
+[root, MASK x (b-1)] at positions root_position .. root_position + b - 1 through the layers; the block attends
+to the whole context and to itself without a causal mask (the tree-attention kernel with an all-ones mask). The
+final norm, then the target's own LM head, give a distribution for each of the next b - 1 positions. The
+block's embeddings also come from the target, so the checkpoint holds neither an embedding nor an LM head.
+On a GPU the block forward replays a CUDA graph per batch bucket, as the verifier's trees do.
 
 Checkpoints follow the z-lab layout: config.json (Qwen3-style fields, `block_size`, and
 `dflash_config.target_layer_ids` / `dflash_config.mask_token_id`) and safetensors named fc.weight,
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -28,9 +30,15 @@ from treeserve.errors import TreeserveError
 from treeserve.loading.hf_folder import config_from_hf, read_json, safetensors_reader
 from treeserve.loading.weights import fill_parameters
 from treeserve.models import ModelConfig
-from treeserve.models.transformer import DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
+from treeserve.models.graphs import PagedRunner, TreeRows
+from treeserve.models.paged_kv import PagedAttention, PagedKVCache, PagedSequence
+from treeserve.models.transformer import Attention, DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
+
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+POOL_BLOCK = 16  # tokens per block of the drafter's context pool
+
+log = logging.getLogger("treeserve.drafter")
 
 
 def default_target_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
@@ -86,51 +94,6 @@ def config_from_json(raw: dict, source: str = "config.json") -> DFlashConfig:
     return DFlashConfig(layers, block_size, tuple(int(i) for i in layer_ids), int(mask_token_id))
 
 
-class DraftContext:
-    """One request's context keys/values for every draft layer: (layers, kv_heads, capacity, head_dim), growing
-    by doubling. Slot i holds the context token at position i."""
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, capacity: int = 256):
-        self.shape = (cfg.num_layers, cfg.num_kv_heads, capacity, cfg.head_dim)
-        self.keys = torch.zeros(self.shape, dtype=dtype, device=device)
-        self.values = torch.zeros(self.shape, dtype=dtype, device=device)
-        self.length = 0
-
-    def append(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """keys/values: per layer (N, kv_heads, head_dim) for the next N context tokens."""
-        n = keys[0].shape[0]
-        if self.length + n > self.keys.shape[2]:
-            grown = max(self.length + n, 2 * self.keys.shape[2])
-            for name in ("keys", "values"):
-                old = getattr(self, name)
-                new = old.new_zeros(old.shape[0], old.shape[1], grown, old.shape[3])
-                new[:, :, :self.length] = old[:, :, :self.length]
-                setattr(self, name, new)
-        for layer, (k, v) in enumerate(zip(keys, values)):
-            self.keys[layer, :, self.length:self.length + n] = k.transpose(0, 1)
-            self.values[layer, :, self.length:self.length + n] = v.transpose(0, 1)
-        self.length += n
-
-
-class BlockAttention:
-    """The draft layers' attention for a batch of blocks: each block's rows see its request's whole context
-    and every row of its own block (no causal mask)."""
-
-    def __init__(self, contexts: list[DraftContext], block_size: int):
-        self.contexts, self.block_size = contexts, block_size
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        outputs = []
-        for i, context in enumerate(self.contexts):
-            rows = slice(i * self.block_size, (i + 1) * self.block_size)
-            keys = torch.cat((context.keys[layer, :, :context.length], k[rows].transpose(0, 1)), dim=1)
-            values = torch.cat((context.values[layer, :, :context.length], v[rows].transpose(0, 1)), dim=1)
-            out = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys[None], values[None],
-                                                 enable_gqa=True)
-            outputs.append(out[0].transpose(0, 1))
-        return torch.cat(outputs)
-
-
 class DFlashModel(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
@@ -151,13 +114,21 @@ class DFlashModel(nn.Module):
     def device(self) -> torch.device:
         return self.fc.weight.device
 
-    def new_context(self) -> DraftContext:
-        return DraftContext(self.config.layers, self.dtype, self.device)
-
-    def extend_context(self, context: DraftContext, features: torch.Tensor) -> None:
-        """Add the next tokens' target features (N, feature_size) to `context`, at positions from its length."""
-        positions = torch.arange(context.length, context.length + features.shape[0], device=self.device)
-        context.append(*self.context_kv(features.to(self.dtype), positions))
+    @torch.no_grad()  # a cache write, never part of a gradient
+    def extend_context(self, sequence: PagedSequence, features: torch.Tensor, kernels: bool = False) -> None:
+        """Write the next tokens' context keys/values, from their target features (N, feature_size), into
+        `sequence` (of a pool of this model's layers), at positions from its length."""
+        n = features.shape[0]
+        positions = torch.arange(sequence.length, sequence.length + n, device=self.device)
+        keys, values = self.context_kv(features.to(self.device, self.dtype), positions)
+        slots = sequence.reserve(n).to(self.device)
+        if kernels:
+            from treeserve.kernels.kv_write import kv_write
+        else:
+            from treeserve.kernels.references import kv_write_reference as kv_write
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            kv_write(*sequence.cache.layer(layer), k.contiguous(), v.contiguous(), slots)
+        sequence.keep(list(range(n)))
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor):
         """Per draft layer, the keys (k_proj, k-norm, RoPE) and values of the projected features."""
@@ -172,12 +143,11 @@ class DFlashModel(nn.Module):
             values.append(attn.v_proj(hidden).view(n, attn.num_kv_heads, attn.head_dim))
         return keys, values
 
-    def forward(self, block_embeddings: torch.Tensor, positions: torch.Tensor,
-                contexts: list[DraftContext]) -> torch.Tensor:
-        """block_embeddings (B * block_size, hidden) of B blocks back to back; returns the normalised hidden
-        states, same shape."""
+    def forward(self, block_embeddings: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+        """block_embeddings (B * block_size, hidden) of B blocks back to back, attending through `attention`
+        (each block to its request's context and to the whole block); returns the normalised hidden states,
+        same shape."""
         cos, sin = rope_cos_sin(self.rope_inv_freq, positions, block_embeddings.dtype)
-        attention = BlockAttention(contexts, self.config.block_size)
         x = block_embeddings
         for layer in self.layers:
             x = layer(x, cos, sin, attention)
@@ -216,26 +186,33 @@ def save_dflash(model: DFlashModel, folder: str | Path, dtype: torch.dtype = tor
 
 
 class DFlashRequest:
-    """One request's draft context: its tokens and the draft layers' context keys/values (every committed
-    token but the root, whose features the target has not produced yet)."""
+    """One request's draft context: its tokens and, in `sequence`, the draft layers' context keys/values
+    (every committed token but the root, whose features the target has not produced yet)."""
 
-    def __init__(self, kv: DraftContext):
+    def __init__(self, sequence: PagedSequence):
         self.tokens: list[int] = []
-        self.kv = kv
+        self.sequence = sequence
 
 
 TREES = ("chain", "ddtree")
 
 
+# Context tokens the drafter's pool holds over all requests, unless told (per token: 2 x layers x kv heads x
+# head_dim values, about 1.5 KB for the shipped SmolLM2 drafter in bfloat16).
+DEFAULT_CONTEXT_TOKENS = {"cpu": 32768, "cuda": 262144}
+
+
 class DFlashDrafter:
     """Batched DFlash drafting: one block forward for every request of a round, then a tree per request, built
     on the device (`chain`: the argmax path; `ddtree`: the best tree of `budget` nodes over each position's
-    top-`top_k` tokens)."""
+    top-`top_k` tokens). Contexts live in one paged pool of `kv_cache_tokens`; with `graphs` (CUDA) the block
+    forward replays a graph per batch bucket up to `max_batch` (call `capture()` once)."""
 
     name = "dflash"
 
     def __init__(self, model: DFlashModel, embedding: torch.Tensor, lm_head: torch.Tensor, tree: str = "ddtree",
-                 top_k: int = 8):
+                 top_k: int = 8, max_batch: int = 64, kv_cache_tokens: int = 0, graphs: bool = False,
+                 max_context: int | None = None):
         cfg = model.config
         if tree not in TREES:
             raise TreeserveError(f"unknown tree kind {tree!r} (use {' or '.join(TREES)})")
@@ -248,24 +225,42 @@ class DFlashDrafter:
         self.tree_kind, self.top_k = tree, top_k
         self.feature_layer_ids = cfg.target_layer_ids
         self.feature_size = cfg.feature_size
+        device = model.device
+        self.kernels = device.type == "cuda"
+        tokens = kv_cache_tokens or DEFAULT_CONTEXT_TOKENS[device.type]
+        self.pool = PagedKVCache(cfg.layers, -(-tokens // POOL_BLOCK), POOL_BLOCK, model.dtype, device)
+        self.block_mask = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool)
+        self.runner = PagedRunner(self.pool, self._block_forward, max_batch, [cfg.block_size],
+                                  max_context or cfg.layers.max_context, graphs)
 
     @classmethod
-    def for_target(cls, path: str | Path, target_model, tree: str = "ddtree", top_k: int = 8) -> "DFlashDrafter":
+    def for_target(cls, path: str | Path, target_model, tree: str = "ddtree", top_k: int = 8,
+                   **options) -> "DFlashDrafter":
         """Load the checkpoint at `path` onto the target's device and dtype, borrowing its embedding and
-        LM head. Raises TreeserveError when the drafter does not fit the target."""
+        LM head (`options`: the constructor's). Raises TreeserveError when the drafter does not fit the target."""
         model = load_dflash(path, target_model.device, target_model.dtype)
         layers = target_model.config.num_layers
         bad = [i for i in model.config.target_layer_ids if not 0 <= i < layers]
         if bad:
             raise TreeserveError(f"{path}: the drafter reads target layer {bad[0]}, but the target has {layers}")
-        return cls(model, target_model.model.embed_tokens.weight, target_model.lm_head.weight, tree, top_k)
+        return cls(model, target_model.model.embed_tokens.weight, target_model.lm_head.weight, tree, top_k,
+                   max_context=target_model.config.max_context, **options)
+
+    def capture(self) -> None:
+        seconds = self.runner.capture()
+        log.info("captured %d CUDA graphs of the DFlash block forward (batch up to %d) in %.1f s",
+                 len(self.runner.graphs), self.runner.max_batch, seconds)
 
     def new_context(self) -> DFlashRequest:
-        return DFlashRequest(self.model.new_context())
+        return DFlashRequest(self.pool.sequence())
+
+    def release(self, context: DFlashRequest) -> None:
+        """Return the context's blocks to the pool (the request finished or left)."""
+        context.sequence.release()
 
     def extend(self, context: DFlashRequest, tokens: list[int], features: torch.Tensor | None) -> None:
         rows = 0 if features is None else features.shape[0]
-        expected = len(context.tokens) + len(tokens) - 1 - context.kv.length
+        expected = len(context.tokens) + len(tokens) - 1 - context.sequence.length
         if rows != expected:
             raise TreeserveError(f"dflash: {rows} feature rows for {len(tokens)} new tokens; expected {expected} "
                                  "(one per token that entered the target's KV cache)")
@@ -274,22 +269,27 @@ class DFlashDrafter:
                                  f"{self.feature_size}")
         context.tokens.extend(tokens)
         if rows:
-            self.model.extend_context(context.kv, features.to(self.model.device))
+            self.model.extend_context(context.sequence, features, self.kernels)
+
+    def _block_forward(self, rows: TreeRows):
+        """Log-probabilities (rows, vocab) of every block row: the one forward a graph captures."""
+        embeddings = F.embedding(rows.tokens, self.embedding).to(self.model.dtype)
+        hidden = self.model(embeddings, rows.positions, PagedAttention(self.pool, rows.paged, kernels=self.kernels))
+        return (torch.log_softmax((hidden @ self.lm_head.T.to(hidden.dtype)).float(), dim=-1),)
 
     @torch.inference_mode()
     def block_log_probs(self, contexts: list[DFlashRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """Roots (B,) and log-probabilities (B, block_size - 1, vocab) for the positions after each root."""
-        cfg, device = self.model.config, self.model.device
+        cfg = self.model.config
         block = cfg.block_size
-        roots = torch.tensor([context.tokens[-1] for context in contexts], device=device)
-        ids = torch.full((len(contexts), block), cfg.mask_token_id, device=device)
-        ids[:, 0] = roots
-        starts = torch.tensor([context.kv.length for context in contexts], device=device)
-        positions = (starts[:, None] + torch.arange(block, device=device)[None, :]).reshape(-1)
-        embeddings = F.embedding(ids.reshape(-1), self.embedding).to(self.model.dtype)
-        hidden = self.model(embeddings, positions, [context.kv for context in contexts])
-        hidden = hidden.view(len(contexts), block, -1)[:, 1:]
-        return roots, torch.log_softmax((hidden @ self.lm_head.T.to(hidden.dtype)).float(), dim=-1)
+        roots = [context.tokens[-1] for context in contexts]
+        sequences = [context.sequence for context in contexts]
+        (log_probs,) = self.runner.run(
+            sequences, [[root] + [cfg.mask_token_id] * (block - 1) for root in roots],
+            [torch.arange(s.length, s.length + block) for s in sequences], [self.block_mask] * len(contexts))
+        for sequence in sequences:
+            sequence.keep([])  # the block's own keys and values are never context
+        return torch.tensor(roots, device=self.model.device), log_probs[:len(contexts), 1:]
 
     def propose(self, contexts: list[DFlashRequest], budgets: list[int]):
         from treeserve.drafter.trees import chain_trees, ddtree_trees

@@ -53,6 +53,9 @@ class DraftModelDrafter:
         cfg = self.model.config
         return DraftModelContext(KVCache(cfg, self.max_context + 1, self.model.dtype, self.model.device))
 
+    def release(self, context: DraftModelContext) -> None:
+        pass  # its contiguous cache goes with the context
+
     def extend(self, context: DraftModelContext, tokens: list[int], features=None) -> None:
         if features is not None:
             raise TreeserveError("the draft-model drafter takes no target features")

@@ -69,6 +69,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 yield drafter_pb2.DraftResponse(round=request.round, trees=trees, propose_seconds=elapsed)
         finally:
             log.debug("draft stream from %s closed, dropping %d contexts", context.peer(), len(contexts))
+            for held_context in contexts.values():
+                self.drafter.release(held_context)
             self.metrics.streams.dec()
             self.metrics.contexts.dec(len(contexts))
 
@@ -80,7 +82,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         asking: list[tuple[drafter_pb2.DraftItem, DraftContext]] = []
         for item, item_features in zip(request.items, features):
             if item.finished:
-                contexts.pop(item.request_id, None)
+                finished = contexts.pop(item.request_id, None)
+                if finished is not None:
+                    self.drafter.release(finished)
                 continue
             context = contexts.get(item.request_id)
             if context is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
 import torch
 
 from treeserve.errors import TreeserveError
@@ -236,7 +237,7 @@ class Generation:
                                  f"(root {tree.tokens[0]} vs {root}, {tree.size - 1} nodes for budget {self.budget})")
         # A round emits at most depth + 1 tokens; deeper nodes could never be used.
         tree = tree.truncated(self.params.max_new_tokens - len(self.output_ids) - 1)
-        positions = torch.tensor(tree.depths()) + self.cache.length
+        positions = torch.from_numpy(np.asarray(tree.depths(), dtype=np.int64) + self.cache.length)
         return ForwardPlan(self.cache, tree.tokens, positions, tree.ancestor_mask("cpu"), list(range(tree.size)),
                            tree)
 
@@ -274,9 +275,12 @@ class Generation:
         return committed
 
     def release(self) -> None:
-        """Give a paged cache's blocks back to the pool (a contiguous cache goes with the generation)."""
+        """Give a paged cache's blocks back to the pool (a contiguous cache goes with the generation), and the
+        local drafter's context its blocks."""
         if isinstance(self.cache, PagedSequence):
             self.cache.release()
+        if self.drafter is not None:
+            self.drafter.release(self.draft_context)
 
     @property
     def committed_count(self) -> int:

@@ -113,7 +113,7 @@ def verification_costs(model: DecoderLM, batches: list[int], tree_sizes: list[in
         for sequence in sequences:
             sequence.release()
     if graphs:
-        rows.append({"capture_s": round(capture_s, 2), "graphs_captured": len(verifier.graphs)})
+        rows.append({"capture_s": round(capture_s, 2), "graphs_captured": len(verifier.runner.graphs)})
     return rows
 
 

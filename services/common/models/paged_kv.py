@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from treeserve.errors import TreeserveError
@@ -72,9 +73,9 @@ class PagedSequence:
     def slots(self, start: int, count: int) -> torch.Tensor:
         """Cache slots (block * block_size + offset) of positions start .. start + count - 1."""
         size = self.cache.block_size
-        positions = torch.arange(start, start + count)
-        table = torch.tensor(self.blocks, dtype=torch.long)
-        return table[positions // size] * size + positions % size
+        positions = np.arange(start, start + count)
+        table = np.asarray(self.blocks, dtype=np.int64)
+        return torch.from_numpy(table[positions // size] * size + positions % size)
 
     def reserve(self, count: int) -> torch.Tensor:
         """Room for `count` pending rows after the committed ones; returns their slots."""

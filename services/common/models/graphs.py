@@ -1,0 +1,196 @@
+"""Forwards over the paged KV pool in a fixed (batch, rows) layout, run eagerly or replayed from CUDA graphs
+captured per (batch bucket x rows bucket): the target's tree verification (treeserve.verifier.graphs) and the
+DFlash drafter's block forward both run through a PagedRunner.
+
+A forward has the shape of its bucket: requests padded up to the batch bucket (zero new rows: they read and
+write nothing) and each request's rows padded up to the rows bucket (slot -1: the row writes nowhere, and the
+kernel's row bound hides it). Sampling stays outside the graph.
+
+The rules from DESIGN.md ("What broke"): every static input of every graph is allocated here, before the first
+capture, sized from the declared maxima (a bucket's inputs are views of those buffers, so none can be missing or
+too small); the mask is rows x rows (the prefix is always visible); replay checks the sizes it is handed; and
+a test replays every bucket against eager execution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+
+from treeserve.errors import TreeserveError
+from treeserve.models.paged_kv import PagedInputs, PagedKVCache, PagedSequence
+
+
+GRAPH_CHOICES = ("auto", "on", "off")  # auto: on with CUDA
+
+
+def graphs_wanted(choice: str, device: torch.device | str) -> bool:
+    if choice not in GRAPH_CHOICES:
+        raise TreeserveError(f"cuda graphs must be one of {', '.join(GRAPH_CHOICES)}, got {choice!r}")
+    on_cuda = torch.device(device).type == "cuda"
+    if choice == "on" and not on_cuda:
+        raise TreeserveError("CUDA graphs need --device cuda")
+    return on_cuda if choice == "auto" else choice == "on"
+
+
+def buckets_up_to(maximum: int, sizes: tuple[int, ...]) -> list[int]:
+    """The sizes below `maximum`, then `maximum` itself (so the maximum is always captured)."""
+    return sorted({size for size in sizes if size < maximum} | {maximum})
+
+
+def powers_of_two_up_to(maximum: int) -> tuple[int, ...]:
+    return tuple(2 ** i for i in range(maximum.bit_length()))
+
+
+@dataclasses.dataclass
+class TreeRows:
+    """One forward's inputs, padded to (batch, rows); row b * rows + i is new row i of request b (a tree node,
+    or a position of a DFlash block)."""
+
+    tokens: torch.Tensor  # (batch * rows,) int64
+    positions: torch.Tensor  # (batch * rows,) int64
+    paged: PagedInputs
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "TreeRows":
+        return TreeRows(self.tokens.to(device, non_blocking=non_blocking),
+                        self.positions.to(device, non_blocking=non_blocking), self.paged.to(device, non_blocking))
+
+
+def stage_trees(sequences: list[PagedSequence], tokens: list[list[int]], positions: list[torch.Tensor],
+                masks: list[torch.Tensor], batch: int, rows: int, table_width: int, pin: bool) -> TreeRows:
+    """Host tensors of one forward: each request's new rows (reserved here in its sequence) with their tokens,
+    positions and mask among themselves, padded to (batch, rows). `pin`: page-locked, so the copies to the GPU
+    do not wait on it."""
+    def new(shape, fill, dtype):
+        """A tensor and a NumPy view of it: filled through the view, which costs a fraction of torch indexing
+        (at 64 requests a round, per-request torch calls here took milliseconds)."""
+        tensor = torch.full(shape, fill, dtype=dtype, pin_memory=pin)
+        return tensor, tensor.numpy()
+
+    (flat_tokens, tokens_np), (flat_positions, positions_np) = (new((batch, rows), 0, torch.long) for _ in "tp")
+    slots, slots_np = new((batch, rows), -1, torch.long)
+    tables, tables_np = new((batch, table_width), 0, torch.int32)
+    (prefix_lens, prefix_np), (counts, counts_np) = (new((batch,), 0, torch.int32) for _ in "pc")
+    tree_mask, mask_np = new((batch, rows, rows), 0, torch.int8)
+    for b, (sequence, tree_tokens, tree_positions, mask) in enumerate(zip(sequences, tokens, positions, masks)):
+        n = len(tree_tokens)
+        prefix_np[b], counts_np[b] = sequence.length, n
+        slots_np[b, :n] = sequence.reserve(n).numpy()
+        if len(sequence.blocks) > table_width:
+            raise TreeserveError(f"a sequence of {len(sequence.blocks)} blocks exceeds the block table's "
+                                 f"{table_width}")
+        tables_np[b, :len(sequence.blocks)] = sequence.blocks
+        tokens_np[b, :n] = tree_tokens
+        positions_np[b, :n] = np.asarray(tree_positions)
+        mask_np[b, :n, :n] = np.asarray(mask)
+    paged = PagedInputs(slots.view(-1), tables, prefix_lens, counts, tree_mask)
+    return TreeRows(flat_tokens.view(-1), flat_positions.view(-1), paged)
+
+
+@dataclasses.dataclass
+class CapturedGraph:
+    graph: torch.cuda.CUDAGraph
+    outputs: tuple[torch.Tensor | None, ...]  # (batch * rows, ...) each, written by every replay
+
+
+class PagedRunner:
+    """Runs one forward function over a paged pool in the padded (batch, rows) layout: with `graphs`, by
+    replaying the smallest captured bucket that holds the batch (capture with `capture()`; a batch beyond the
+    maxima runs eagerly); without, eagerly at the batch's own padded size, through the same staging.
+
+    `forward(rows: TreeRows)` returns a tuple of tensors (or None) whose first dimension is the rows; it may
+    only read `rows` and the pool, so that a graph captured on static inputs replays it."""
+
+    def __init__(self, pool: PagedKVCache, forward, max_batch: int, row_buckets: list[int], max_length: int,
+                 graphs: bool = False):
+        if max_batch < 1 or not row_buckets:
+            raise TreeserveError(f"no buckets to run: batch up to {max_batch}, rows {row_buckets}")
+        if graphs and pool.data.device.type != "cuda":
+            raise TreeserveError("CUDA graphs need the model on a CUDA device")
+        self.pool, self.forward = pool, forward
+        self.device = pool.data.device
+        self.max_batch, self.row_buckets = max_batch, sorted(row_buckets)
+        self.max_rows = self.row_buckets[-1]
+        # Wide enough for the longest sequence: `max_length` committed tokens plus the rows of one forward.
+        self.table_width = -(-(max_length + self.max_rows) // pool.block_size)
+        self.use_graphs = graphs
+        self.graphs: dict[tuple[int, int], CapturedGraph] = {}
+        self.memory_pool = None
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        batches = buckets_up_to(self.max_batch, powers_of_two_up_to(self.max_batch))
+        return [(b, t) for b in batches for t in self.row_buckets]
+
+    def _allocate_static(self) -> TreeRows:
+        """Every graph's inputs, at the maxima, holding padding (nothing read, nothing written)."""
+        rows = stage_trees([], [], [], [], self.max_batch, self.max_rows, self.table_width, pin=False)
+        return rows.to(self.device)
+
+    def _static_view(self, batch: int, rows: int) -> TreeRows:
+        s, n = self.static, batch * rows
+        mask = s.paged.tree_mask.view(-1)[:n * rows].view(batch, rows, rows)
+        paged = PagedInputs(s.paged.slots[:n], s.paged.tables[:batch], s.paged.prefix_lens[:batch],
+                            s.paged.new_counts[:batch], mask)
+        return TreeRows(s.tokens[:n], s.positions[:n], paged)
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Capture every bucket, largest first so the smaller ones fit in the memory pool the largest made;
+        returns the seconds it took. The static inputs are reset to padding first: warm-up and capture run on
+        them for real."""
+        started = time.perf_counter()
+        self.graphs.clear()
+        self.static = self._allocate_static()
+        torch.cuda.synchronize()
+        for batch, rows in sorted(self.buckets, reverse=True):
+            view = self._static_view(batch, rows)
+            self.forward(view)  # warm-up: Triton compiles, cuBLAS picks its kernels
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.memory_pool):
+                outputs = self.forward(view)
+            self.memory_pool = graph.pool()
+            self.graphs[(batch, rows)] = CapturedGraph(graph, outputs)
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    def bucket(self, batch: int, rows: int) -> tuple[int, int] | None:
+        """The smallest captured (batch, rows) bucket that holds these sizes; None when none does."""
+        fitting = [key for key in self.graphs if key[0] >= batch and key[1] >= rows]
+        return min(fitting, default=None)
+
+    @torch.inference_mode()
+    def run(self, sequences: list[PagedSequence], tokens: list[list[int]], positions: list[torch.Tensor],
+            masks: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+        """One forward over every request's new rows (reserved here in its sequence); returns the outputs
+        viewed as (batch, rows, ...), padding included: request b's row i is [b, i]."""
+        if any(sequence.cache is not self.pool for sequence in sequences):
+            raise TreeserveError("a sequence from another KV pool")
+        batch, rows = len(sequences), max(len(t) for t in tokens)
+        key = self.bucket(batch, rows) if self.use_graphs else None
+        if key is None:  # graphs off, or a batch beyond the captured maxima
+            staged = stage_trees(sequences, tokens, positions, masks, batch, rows, self.table_width,
+                                 pin=self.device.type == "cuda")
+            outputs = self.forward(staged.to(self.device, non_blocking=True))
+        else:
+            batch, rows = key
+            staged = stage_trees(sequences, tokens, positions, masks, batch, rows, self.table_width, pin=True)
+            self._load(self._static_view(batch, rows), staged)
+            captured = self.graphs[key]
+            captured.graph.replay()
+            outputs = captured.outputs
+        return tuple(None if out is None else out.view(batch, rows, *out.shape[1:]) for out in outputs)
+
+    @staticmethod
+    def _load(static: TreeRows, staged: TreeRows) -> None:
+        """Copy a staged batch into a bucket's static inputs (asynchronously: `staged` is page-locked)."""
+        pairs = [(static.tokens, staged.tokens), (static.positions, staged.positions)]
+        pairs += zip(static.paged.tensors(), staged.paged.tensors())
+        for target, source in pairs:
+            if target.shape != source.shape:
+                raise TreeserveError(f"graph input of shape {tuple(source.shape)} for a bucket of "
+                                     f"{tuple(target.shape)}")
+            target.copy_(source, non_blocking=True)
