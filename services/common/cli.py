@@ -182,7 +182,6 @@ def make_drafter(args, target):
     if args.drafter == "none":
         return None
     from treeserve.drafter import load_drafter
-
     from treeserve.models.graphs import graphs_wanted
 
     graphs = args.tp == 1 and graphs_wanted(args.cuda_graphs, args.device)
