@@ -230,6 +230,23 @@ def test_dflash_speculation_is_lossless(family, tree):
             assert result.token_ids == plain, (prompt, budget)
 
 
+def test_a_context_that_outgrows_the_drafter_pool_continues_without_trees():
+    """In-process: a pool of 32 context tokens fills after a few rounds; the generation then decodes plainly,
+    with the target's own tokens, and the drafter's blocks all come back."""
+    from treeserve.drafter.dflash import DFlashDrafter
+
+    target = random_target("qwen2", seed=9, vocab_size=VOCAB, weight_scale=2.0)
+    small = random_dflash_drafter(target, "chain")
+    drafter = DFlashDrafter(small.model, small.embedding, small.lm_head, "chain", max_batch=1, kv_cache_tokens=32)
+    prompt, params = [3, 4, 5, 3, 4, 5, 3], GenerationParams(max_new_tokens=60, ignore_eos=True)
+    generation = Generation(target, word_tokenizer(VOCAB), prompt, params, drafter, budget=4)
+    while not generation.finished:
+        generation.step()
+    assert generation.drafter is None  # it let go of the drafter once the pool was full
+    assert generation.result().token_ids == generate(target, word_tokenizer(VOCAB), prompt, params).token_ids
+    assert drafter.pool.allocator.free_count == drafter.pool.allocator.num_blocks
+
+
 def test_the_drafter_context_holds_the_target_features_of_every_committed_token_but_the_root():
     target = random_target("qwen3", seed=4, vocab_size=VOCAB, weight_scale=2.0)
     drafter = random_dflash_drafter(target, "ddtree")

@@ -155,6 +155,37 @@ def test_a_restarted_dflash_drafter_gets_every_request_resent(tmp_path, target):
     assert all(len(c.tokens) > 12 for c in second.contexts if c.received)
 
 
+def test_a_request_whose_context_does_not_fit_goes_on_without_trees(tmp_path, target, caplog):
+    """A drafter pool of 48 context tokens holds one of these requests (up to 36 tokens), not two: the second
+    request decodes without trees while the first keeps speculating; the stream stays up, every output is the
+    target's own, and every block comes back."""
+    from treeserve.drafter.dflash import DFlashDrafter
+
+    small = random_dflash_drafter(target.model, "chain")
+    drafter = DFlashDrafter(small.model, small.embedding, small.lm_head, "chain", max_batch=2, kv_cache_tokens=48)
+    prompts = [PROMPTS[0], PROMPTS[3]]
+
+    async def main():
+        drafter_service = await start_drafter(tmp_path, drafter)
+        link = DrafterLink(drafter_service.address, timeout_s=5.0)
+        verifier, scheduler, task = await start_verifier(tmp_path, target, link)
+        async with grpc.aio.insecure_channel(verifier.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            outputs = await asyncio.gather(*(collect(stub, request(p)) for p in prompts))
+        link_stayed_up = link.up
+        await stop_all(task, verifier, link, drafter_service)
+        return outputs, link_stayed_up
+
+    with caplog.at_level("WARNING", logger="treeserve.drafter"):
+        outputs, link_stayed_up = asyncio.run(main())
+    for prompt, output in zip(prompts, outputs):
+        assert output == expected(target, prompt)
+    assert sum("gets no more trees" in record.getMessage() for record in caplog.records) == 1
+    assert link_stayed_up and not any("drafter" in r.getMessage() and "down" in r.getMessage()
+                                      for r in caplog.records)
+    assert drafter.pool.allocator.free_count == drafter.pool.allocator.num_blocks
+
+
 def test_features_of_the_wrong_shape_are_invalid_argument(tmp_path, target):
     async def main():
         service = await start_drafter(tmp_path, random_dflash_drafter(target.model, "chain"))

@@ -78,6 +78,10 @@ class DraftTree:
 MAX_BUDGET = 128
 
 
+class DraftPoolFull(TreeserveError):
+    """A drafter cannot hold one more request's context; the request goes on without its trees."""
+
+
 class DraftContext(Protocol):
     """What a drafter keeps for one request: at least the prompt and output so far (the last token is the
     root of the next tree)."""
@@ -100,7 +104,9 @@ class Drafter(Protocol):
 
     def new_context(self) -> DraftContext: ...
 
-    def extend(self, context: DraftContext, tokens: list[int], features=None) -> None: ...
+    def extend(self, context: DraftContext, tokens: list[int], features=None) -> None:
+        """Raises DraftPoolFull when the context no longer fits what the drafter holds."""
+        ...
 
     def propose(self, contexts: list[DraftContext], budgets: list[int]) -> list[DraftTree]:
         """One tree per context, with at most budgets[i] drafted nodes below its root."""

@@ -33,6 +33,7 @@ from treeserve.models import ModelConfig
 from treeserve.models.graphs import PagedRunner, TreeRows
 from treeserve.models.paged_kv import PagedAttention, PagedKVCache, PagedSequence
 from treeserve.models.transformer import Attention, DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
+from treeserve.tree import DraftPoolFull
 
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
@@ -228,7 +229,11 @@ class DFlashDrafter:
         device = model.device
         self.kernels = device.type == "cuda"
         tokens = kv_cache_tokens or DEFAULT_CONTEXT_TOKENS[device.type]
-        self.pool = PagedKVCache(cfg.layers, -(-tokens // POOL_BLOCK), POOL_BLOCK, model.dtype, device)
+        # Kept free for the block rows of a round (each request's block spills into one more pool block at most),
+        # so proposing never runs out of blocks: contexts that would eat into this are refused in extend().
+        self.block_reserve = max_batch * (-(-cfg.block_size // POOL_BLOCK) + 1)
+        self.pool = PagedKVCache(cfg.layers, -(-tokens // POOL_BLOCK) + self.block_reserve, POOL_BLOCK, model.dtype,
+                                 device)
         self.block_mask = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool)
         self.runner = PagedRunner(self.pool, self._block_forward, max_batch, [cfg.block_size],
                                   max_context or cfg.layers.max_context, graphs)
@@ -267,6 +272,12 @@ class DFlashDrafter:
         if rows and features.shape[1] != self.feature_size:
             raise TreeserveError(f"dflash: features are {features.shape[1]} wide; this drafter needs "
                                  f"{self.feature_size}")
+        if rows:
+            sequence, allocator = context.sequence, self.pool.allocator
+            needed = -(-(sequence.length + rows) // POOL_BLOCK) - len(sequence.blocks)
+            if allocator.free_count - needed < self.block_reserve:
+                raise DraftPoolFull(f"dflash: the context pool ({self.pool.allocator.num_blocks} blocks of "
+                                    f"{POOL_BLOCK}) is full; raise --kv-cache-tokens")
         context.tokens.extend(tokens)
         if rows:
             self.model.extend_context(context.sequence, features, self.kernels)

@@ -15,7 +15,7 @@ from opentelemetry import trace
 
 from treeserve.errors import TreeserveError
 from treeserve.telemetry import DrafterMetrics, Tracing
-from treeserve.tree import MAX_BUDGET, DraftContext, Drafter
+from treeserve.tree import MAX_BUDGET, DraftContext, Drafter, DraftPoolFull
 from treeserve.v1 import drafter_pb2, drafter_pb2_grpc
 from treeserve.wire import features_from_proto
 
@@ -52,6 +52,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if self.drafter is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is still loading")
         contexts: dict[str, DraftContext] = {}  # request_id -> its draft context, this stream only
+        dropped: set[str] = set()  # requests whose context did not fit: no trees for them, until they finish
         log.debug("draft stream opened by %s", context.peer())
         self.metrics.streams.inc()
         try:
@@ -59,7 +60,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 started = time.perf_counter()
                 held = len(contexts)
                 try:
-                    trees = self.draft_round(request, contexts)
+                    trees = self.draft_round(request, contexts, dropped)
                 except TreeserveError as error:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"round {request.round}: {error}")
                 elapsed = time.perf_counter() - started
@@ -74,22 +75,31 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             self.metrics.streams.dec()
             self.metrics.contexts.dec(len(contexts))
 
-    def draft_round(self, request: drafter_pb2.DraftRequest,
-                    contexts: dict[str, DraftContext]) -> list[drafter_pb2.DraftTree]:
+    def draft_round(self, request: drafter_pb2.DraftRequest, contexts: dict[str, DraftContext],
+                    dropped: set[str]) -> list[drafter_pb2.DraftTree]:
         # Check every item before touching any context, so a rejected round leaves none half-updated.
         seen: set[str] = set()
-        features = [self.check_item(item, contexts, seen) for item in request.items]
+        features = [self.check_item(item, contexts, dropped, seen) for item in request.items]
         asking: list[tuple[drafter_pb2.DraftItem, DraftContext]] = []
         for item, item_features in zip(request.items, features):
             if item.finished:
                 finished = contexts.pop(item.request_id, None)
                 if finished is not None:
                     self.drafter.release(finished)
+                dropped.discard(item.request_id)
+                continue
+            if item.request_id in dropped:
                 continue
             context = contexts.get(item.request_id)
             if context is None:
                 context = contexts[item.request_id] = self.drafter.new_context()
-            self.drafter.extend(context, list(item.new_token_ids), item_features)
+            try:
+                self.drafter.extend(context, list(item.new_token_ids), item_features)
+            except DraftPoolFull as error:  # this request decodes without trees; the others keep theirs
+                log.warning("request %s: %s; it gets no more trees", item.request_id, error)
+                self.drafter.release(contexts.pop(item.request_id))
+                dropped.add(item.request_id)
+                continue
             if item.budget > 0:
                 asking.append((item, context))
         if not asking:
@@ -121,7 +131,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                     "drafter.propose", context=parent, attributes={"treeserve.request_id": item.request_id})
         return spans
 
-    def check_item(self, item: drafter_pb2.DraftItem, contexts: dict[str, DraftContext], seen: set[str]):
+    def check_item(self, item: drafter_pb2.DraftItem, contexts: dict[str, DraftContext], dropped: set[str],
+                   seen: set[str]):
         """Raises TreeserveError for a bad item; returns its features, decoded (None when it has none)."""
         if not item.request_id:
             raise TreeserveError("an item has no request_id")
@@ -131,6 +142,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if item.budget > self.max_budget:
             raise TreeserveError(f"request {item.request_id!r}: budget {item.budget} is above this drafter's "
                                  f"maximum {self.max_budget}")
+        if item.request_id in dropped:
+            return None  # its tokens and features are ignored until it finishes
         if not item.finished and not item.new_token_ids and item.request_id not in contexts:
             raise TreeserveError(f"request {item.request_id!r} is unknown on this stream and the item has no "
                                  "tokens (a new request's first item carries its prompt)")

@@ -20,7 +20,7 @@ from treeserve.models.paged_kv import PagedAttention, PagedSequence
 from treeserve.params import GenerationParams
 from treeserve.sampling import pick_tokens, random_seed
 from treeserve.tokenizer import Tokenizer
-from treeserve.tree import MAX_BUDGET, DraftTree, Drafter
+from treeserve.tree import MAX_BUDGET, DraftPoolFull, DraftTree, Drafter
 from treeserve.verifier.acceptance import walk_tree
 from treeserve.verifier.graphs import TreeVerifier
 
@@ -271,7 +271,11 @@ class Generation:
                 raise TreeserveError("this generation needs target features, and the forward gave none")
             self.last_features = features[kept]  # kept on the host by commit_round, when keep_features
         if self.drafter is not None and not self.finished:
-            self.drafter.extend(self.draft_context, new_context, self.last_features)
+            try:
+                self.drafter.extend(self.draft_context, new_context, self.last_features)
+            except DraftPoolFull:  # the drafter cannot hold this request: it goes on without trees
+                self.drafter.release(self.draft_context)
+                self.drafter = None
         return committed
 
     def release(self) -> None:
