@@ -94,7 +94,7 @@ def test_real_model_with_graphs_on_cuda(dtype, drafter_kind):
     target = load_target(REAL_GGUF, device="cuda", dtype=dtype)
     drafter = load_drafter(drafter_kind, str(shipped_dflash("smollm2-135m")), "ddtree", target=target,
                            device="cuda", dtype=dtype)
-    verifier = build_verifier(target.model, 1, "on", kv_cache_tokens=4096)
+    verifier = build_verifier(target.model, 1, graphs=True, kv_cache_tokens=4096)
     verifier.capture(drafter.feature_layer_ids)
     params = GenerationParams(max_new_tokens=64)
     for text in ("def fibonacci(n):", "The three primary colors are"):

@@ -33,7 +33,7 @@ async def start_verifier(tmp_path, target, drafter_addresses, timeout_s=1.0, max
     links = [DrafterLink(address, timeout_s) for address in drafter_addresses]
     servicer = VerifierServicer("tiny", links, default_budget=8, default_max_new_tokens=16, max_batch=max_batch)
     service = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
-    scheduler = servicer.attach(target, build_verifier(target.model, max_batch, "off", kv_cache_tokens, block_size=4))
+    scheduler = servicer.attach(target, build_verifier(target.model, max_batch, False, kv_cache_tokens, block_size=4))
     task = asyncio.ensure_future(scheduler.run())
     for link in links:
         await scheduler.connect(link)

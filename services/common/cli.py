@@ -177,14 +177,12 @@ def read_prompt(args) -> str:
     return text
 
 
-def make_drafter(args, target):
+def make_drafter(args, target, graphs: bool):
     """The drafter `generate` asked for, loaded for the target (None for plain decoding)."""
     if args.drafter == "none":
         return None
     from treeserve.drafter import load_drafter
-    from treeserve.models.graphs import graphs_wanted
 
-    graphs = args.tp == 1 and graphs_wanted(args.cuda_graphs, args.device)
     return load_drafter(args.drafter, args.drafter_path, args.tree, target=target, device=args.device,
                         dtype=args.dtype, max_batch=1, graphs=graphs)
 
@@ -250,18 +248,19 @@ def generate_on_rank(args, shard) -> int:
     prompt = read_prompt(args)
     quiet = shard is not None and shard.rank != 0
     from treeserve.loading import load_target
+    from treeserve.models.graphs import graphs_wanted
     from treeserve.verifier import Generation
     from treeserve.verifier.graphs import build_verifier
 
     args.drafter = resolved_drafter(args)
     target = load_target(args.target, device=args.device, dtype=args.dtype, shard=shard)
-    drafter = make_drafter(args, target)
+    graphs = shard is None and graphs_wanted(args.cuda_graphs, args.device)  # not yet under --tp
+    drafter = make_drafter(args, target, graphs)
     tokenizer = target.tokenizer
     prompt_ids = tokenizer.encode_chat(prompt) if args.chat else tokenizer.encode(prompt)
     budget = args.budget if drafter is not None else 0
     # A pool of exactly this request's size; graphs for its one batch size and tree sizes up to its budget.
-    verifier = build_verifier(target.model, 1, "off" if shard is not None else args.cuda_graphs,
-                              kv_cache_tokens=len(prompt_ids) + params.max_new_tokens + budget, max_tree=budget + 1)
+    verifier = build_verifier(target.model, 1, graphs, kv_cache_tokens=len(prompt_ids) + params.max_new_tokens + budget, max_tree=budget + 1)
     generation = Generation(target.model, tokenizer, prompt_ids, params, drafter, budget, verifier=verifier)
     if verifier.use_graphs:
         verifier.capture(generation.feature_layer_ids)

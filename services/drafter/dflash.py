@@ -31,7 +31,7 @@ from treeserve.loading.hf_folder import config_from_hf, read_json, safetensors_r
 from treeserve.loading.weights import fill_parameters
 from treeserve.models import ModelConfig
 from treeserve.models.graphs import PagedRunner, TreeRows
-from treeserve.models.paged_kv import PagedAttention, PagedKVCache, PagedSequence
+from treeserve.models.paged_kv import PagedAttention, PagedKVCache, PagedSequence, paged_kernels
 from treeserve.models.transformer import Attention, DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
 from treeserve.tree import DraftPoolFull
 
@@ -123,10 +123,7 @@ class DFlashModel(nn.Module):
         positions = torch.arange(sequence.length, sequence.length + n, device=self.device)
         keys, values = self.context_kv(features.to(self.device, self.dtype), positions)
         slots = sequence.reserve(n).to(self.device)
-        if kernels:
-            from treeserve.kernels.kv_write import kv_write
-        else:
-            from treeserve.kernels.references import kv_write_reference as kv_write
+        kv_write, _ = paged_kernels(kernels)
         for layer, (k, v) in enumerate(zip(keys, values)):
             kv_write(*sequence.cache.layer(layer), k.contiguous(), v.contiguous(), slots)
         sequence.keep(list(range(n)))

@@ -62,6 +62,7 @@ async def serve(args) -> None:
     from treeserve import serving, telemetry
     from treeserve.loading import load_target
     from treeserve.verifier.drafter_link import DrafterLink, expand_drafter_addresses
+    from treeserve.models.graphs import graphs_wanted
     from treeserve.verifier.graphs import build_verifier
     from treeserve.verifier.server import VerifierServicer
 
@@ -74,8 +75,8 @@ async def serve(args) -> None:
     log.info("verifier listening on %s; loading %s", service.address, args.target)
     try:
         target = await asyncio.to_thread(load_target, args.target, args.device, args.dtype)
-        verifier = await asyncio.to_thread(build_verifier, target.model, args.max_batch, args.cuda_graphs,
-                                           args.kv_cache_tokens)
+        verifier = await asyncio.to_thread(build_verifier, target.model, args.max_batch,
+                                           graphs_wanted(args.cuda_graphs, args.device), args.kv_cache_tokens)
     except BaseException:
         await serving.abandon(service)
         raise

@@ -10,7 +10,7 @@ import torch
 
 from treeserve.errors import TreeserveError
 from treeserve.models import DecoderLM
-from treeserve.models.graphs import PagedRunner, TreeRows, buckets_up_to, graphs_wanted
+from treeserve.models.graphs import PagedRunner, TreeRows, buckets_up_to
 from treeserve.models.paged_kv import PagedAttention, PagedInputs, PagedKVCache, PagedSequence
 from treeserve.tree import MAX_BUDGET
 
@@ -72,6 +72,8 @@ class TreeVerifier:
 # KV pool of a CPU verifier (GPU pools are sized from free memory): enough for several long requests, small
 # enough for a laptop.
 CPU_KV_CACHE_TOKENS = 16384
+
+
 @torch.inference_mode()
 def activation_peak(model: DecoderLM, batch: int, rows: int, logits_rows: torch.Tensor | None = None) -> int:
     """Bytes a forward of batch x rows padding rows allocates beyond what is already held (the KV cache is
@@ -90,14 +92,13 @@ def activation_peak(model: DecoderLM, batch: int, rows: int, logits_rows: torch.
     return torch.cuda.max_memory_allocated() - held
 
 
-def build_verifier(model: DecoderLM, max_batch: int, graphs: str = "auto", kv_cache_tokens: int = 0,
+def build_verifier(model: DecoderLM, max_batch: int, graphs: bool = False, kv_cache_tokens: int = 0,
                    block_size: int = 16, memory_fraction: float = 0.9, max_tree: int = MAX_BUDGET + 1
                    ) -> TreeVerifier:
-    """The verifier's paged pool and tree verifier (graphs not captured yet: `capture` once the feature layers
-    are known). `kv_cache_tokens` 0 sizes the pool: on a GPU, `memory_fraction` of the memory left free after
+    """The verifier's paged pool and tree verifier (with `graphs`, from `graphs_wanted`, not captured yet:
+    `capture` once the feature layers are known). `kv_cache_tokens` 0 sizes the pool: on a GPU, `memory_fraction` of the memory left free after
     room for the largest verification (the graphs' memory pool) and the longest prefill; on the CPU,
     CPU_KV_CACHE_TOKENS."""
-    use_graphs = graphs_wanted(graphs, model.device)
     cfg = model.config
     if kv_cache_tokens > 0:
         num_blocks = -(-kv_cache_tokens // block_size)
@@ -117,4 +118,4 @@ def build_verifier(model: DecoderLM, max_batch: int, graphs: str = "auto", kv_ca
     pool = PagedKVCache(cfg, num_blocks, block_size, model.dtype, model.device)
     log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", num_blocks, block_size,
              num_blocks * block_size, pool.data.numel() * pool.data.element_size() / 2**30)
-    return TreeVerifier(model, pool, max_batch, max_tree, graphs=use_graphs)
+    return TreeVerifier(model, pool, max_batch, max_tree, graphs=graphs)

@@ -258,7 +258,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     def attach(self, target: LoadedModel, verifier: TreeVerifier | None = None) -> Scheduler:
         """Start scheduling on a loaded target; `verifier` defaults to an eager one with a default-sized pool."""
         self.target = target
-        verifier = verifier or build_verifier(target.model, self.max_batch, graphs="off")
+        verifier = verifier or build_verifier(target.model, self.max_batch)
         self.scheduler = Scheduler(target, verifier, self.links, self.max_batch, self.tracing, self.metrics)
         return self.scheduler
 

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from treeserve.cli import OneLineErrorParser
+from treeserve.drafter.corpus import read_prompts
 from treeserve.errors import TreeserveError
 from treeserve.launcher import Stack
 from treeserve.params import GenerationParams
@@ -24,12 +25,6 @@ from treeserve.serving import free_port
 
 DRAFTER_CONFIGS = {"ngram": ("ngram", "ddtree"), "dflash-chain": ("dflash", "chain"),
                    "dflash-ddtree": ("dflash", "ddtree")}
-
-
-def read_prompts(path: Path, limit: int) -> list[dict]:
-    with path.open() as f:
-        prompts = [json.loads(line) for line in f if line.strip()]
-    return prompts[:limit]
 
 
 async def run_requests(gateway: str, prompts: list[dict], params: GenerationParams, speculate: bool) -> dict:
@@ -106,7 +101,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    prompts = read_prompts(args.prompts, args.limit)
+    try:
+        prompts = read_prompts(args.prompts)[:args.limit]
+    except TreeserveError as error:
+        print(f"stack_bench: error: {error}", file=sys.stderr)
+        return 1
     params = GenerationParams(max_new_tokens=args.max_new_tokens)
     rows = []
     command = "python -m treeserve.verifier.stack_bench " + shlex.join(sys.argv[1:] if argv is None else argv)

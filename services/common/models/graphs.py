@@ -70,10 +70,12 @@ def stage_trees(sequences: list[PagedSequence], tokens: list[list[int]], positio
         tensor = torch.full(shape, fill, dtype=dtype, pin_memory=pin)
         return tensor, tensor.numpy()
 
-    (flat_tokens, tokens_np), (flat_positions, positions_np) = (new((batch, rows), 0, torch.long) for _ in "tp")
+    flat_tokens, tokens_np = new((batch, rows), 0, torch.long)
+    flat_positions, positions_np = new((batch, rows), 0, torch.long)
     slots, slots_np = new((batch, rows), -1, torch.long)
     tables, tables_np = new((batch, table_width), 0, torch.int32)
-    (prefix_lens, prefix_np), (counts, counts_np) = (new((batch,), 0, torch.int32) for _ in "pc")
+    prefix_lens, prefix_np = new((batch,), 0, torch.int32)
+    counts, counts_np = new((batch,), 0, torch.int32)
     tree_mask, mask_np = new((batch, rows, rows), 0, torch.int8)
     for b, (sequence, tree_tokens, tree_positions, mask) in enumerate(zip(sequences, tokens, positions, masks)):
         n = len(tree_tokens)

@@ -141,6 +141,18 @@ def block_table(sequences: list[PagedSequence], width: int | None = None) -> tor
     return tables
 
 
+def paged_kernels(kernels: bool):
+    """(kv_write, tree_attention): the Triton kernels (on a GPU, or under TRITON_INTERPRET=1), or their PyTorch
+    references; both take the same arguments."""
+    if kernels:
+        from treeserve.kernels.kv_write import kv_write
+        from treeserve.kernels.tree_attention import tree_attention
+    else:
+        from treeserve.kernels.references import kv_write_reference as kv_write
+        from treeserve.kernels.references import tree_attention_reference as tree_attention
+    return kv_write, tree_attention
+
+
 class PagedAttention:
     """Attention for one forward over the paged cache: each layer writes the new keys/values at `inputs.slots`,
     then every new row attends to its request's prefix and to the new rows its mask allows.
@@ -149,20 +161,14 @@ class PagedAttention:
     packed (request 0's rows, then request 1's, ...: a prefill, where padding prompts to the longest would waste
     work); `packed_rows` (request index, row index) per forward row, and the padded width, then places them.
 
-    `kernels` picks the Triton kernels (on a GPU, or under TRITON_INTERPRET=1) over their PyTorch references;
-    both take the same arguments, so a test can hold one against the other."""
+    `kernels` picks the Triton kernels over their PyTorch references (`paged_kernels`), so a test can hold one
+    against the other."""
 
     def __init__(self, cache: PagedKVCache, inputs: PagedInputs, kernels: bool = False,
                  packed_rows: tuple[torch.Tensor, torch.Tensor, int] | None = None):
         self.cache, self.inputs = cache, inputs
         self.packed_rows, self.packed_width = (packed_rows[:2], packed_rows[2]) if packed_rows else (None, 0)
-        if kernels:
-            from treeserve.kernels.kv_write import kv_write
-            from treeserve.kernels.tree_attention import tree_attention
-        else:
-            from treeserve.kernels.references import kv_write_reference as kv_write
-            from treeserve.kernels.references import tree_attention_reference as tree_attention
-        self.write, self.attend = kv_write, tree_attention
+        self.write, self.attend = paged_kernels(kernels)
 
     @classmethod
     def for_prompts(cls, sequences: list[PagedSequence], counts: list[int], kernels: bool = False
