@@ -15,6 +15,19 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * x32.to(x.dtype)
 
 
+def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual sum x + delta (in the storage dtype) and its RMSNorm."""
+    total = x + delta
+    return total, rms_norm_reference(total, weight, eps)
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up, for the gate and up projections side by side in the last dimension (..., 2 * I)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)

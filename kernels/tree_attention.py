@@ -19,6 +19,7 @@ tree x tree.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 
@@ -28,14 +29,51 @@ import triton.language as tl
 
 
 @triton.jit
+def _attend_tile(q, n0, best, total, acc, k_ptr, v_ptr, tables_ptr, mask_ptr, b, kv_head, t, row_ok, dims, dim_ok,
+                 prefix, end, scale, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh, stride_tb,
+                 stride_mb, stride_mi, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax over keys n0 .. n0 + BLOCK_N (those below `end`): the running maximum, sum and output."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < end
+    block = tl.load(tables_ptr + b * stride_tb + cols // BLOCK_SIZE, mask=col_ok, other=0)
+    slot = cols % BLOCK_SIZE
+    k = tl.load(k_ptr + block[:, None] * stride_kn + slot[:, None] * stride_ks + kv_head * stride_kh
+                + dims[None, :], mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
+    v = tl.load(v_ptr + block[:, None] * stride_vn + slot[:, None] * stride_vs + kv_head * stride_vh
+                + dims[None, :], mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    # The prefix is visible to every row; a new column only where the row's tree mask (or causality) says so.
+    in_tree = cols - prefix
+    if CAUSAL:
+        tree_bit = (in_tree[None, :] <= t[:, None]).to(tl.int8)
+    else:
+        tree_bit = tl.load(mask_ptr + b * stride_mb + t[:, None] * stride_mi + in_tree[None, :],
+                           mask=row_ok[:, None] & (in_tree[None, :] >= 0) & col_ok[None, :], other=0)
+    visible = col_ok[None, :] & ((cols[None, :] < prefix) | (tree_bit != 0))
+    # Products in the storage dtype (tensor cores for bfloat16), sums in float32.
+    scores = tl.where(visible, tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=tl.float32) * scale,
+                      float("-inf"))
+    new_best = tl.maximum(best, tl.max(scores, axis=1))
+    # Rows that have seen nothing yet keep a -inf maximum; shift by 0 there to avoid inf - inf.
+    shift = tl.where(new_best == float("-inf"), 0.0, new_best)
+    p = tl.exp(scores - shift[:, None])
+    rescale = tl.exp(best - shift)
+    total = total * rescale + tl.sum(p, axis=1)
+    acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION, out_dtype=tl.float32)
+    return new_best, total, acc
+
+
+@triton.jit
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_stat_ptr, tables_ptr, prefix_ptr, size_ptr, mask_ptr, scale,
     stride_qb, stride_qt, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
     stride_ob, stride_ot, stride_oh, stride_tb, stride_mb, stride_mi,
-    stride_as, stride_ab, stride_at, stride_ah, stride_ss, stride_sb, stride_st, stride_sh, splits,
+    stride_as, stride_ab, stride_at, stride_ah, stride_ss, stride_sb, stride_st, stride_sh, rows, splits,
     GROUP: tl.constexpr, PADDED_GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     PADDED_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     # `splits` is a runtime value, not a constexpr: it varies with the shapes, and each new constexpr value
     # would compile the kernel again (seconds) in the middle of a request.
@@ -67,47 +105,27 @@ def _tree_attention_kernel(
     best = tl.full((BLOCK_T * PADDED_GROUP,), float("-inf"), tl.float32)
     total = tl.zeros((BLOCK_T * PADDED_GROUP,), tl.float32)
     acc = tl.zeros((BLOCK_T * PADDED_GROUP, PADDED_DIM), tl.float32)
-    # A while loop, not range(): Triton's interpreter cannot take a range bound loaded from memory.
-    n0 = start
-    while n0 < end:
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < end
-        block = tl.load(tables_ptr + b * stride_tb + cols // BLOCK_SIZE, mask=col_ok, other=0)
-        slot = cols % BLOCK_SIZE
-        k = tl.load(k_ptr + block[:, None] * stride_kn + slot[:, None] * stride_ks + kv_head * stride_kh
-                    + dims[None, :], mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
-        v = tl.load(v_ptr + block[:, None] * stride_vn + slot[:, None] * stride_vs + kv_head * stride_vh
-                    + dims[None, :], mask=col_ok[:, None] & dim_ok[None, :], other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        # The prefix is visible to every row; a new column only where the row's tree mask (or causality) says so.
-        in_tree = cols - prefix
-        if CAUSAL:
-            tree_bit = (in_tree[None, :] <= t[:, None]).to(tl.int8)
-        else:
-            tree_bit = tl.load(mask_ptr + b * stride_mb + t[:, None] * stride_mi + in_tree[None, :],
-                               mask=row_ok[:, None] & (in_tree[None, :] >= 0) & col_ok[None, :], other=0)
-        visible = col_ok[None, :] & ((cols[None, :] < prefix) | (tree_bit != 0))
-        # Products in the storage dtype (tensor cores for bfloat16), sums in float32.
-        scores = tl.where(visible, tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=tl.float32) * scale,
-                          float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, axis=1))
-        # Rows that have seen nothing yet keep a -inf maximum; shift by 0 there to avoid inf - inf.
-        shift = tl.where(new_best == float("-inf"), 0.0, new_best)
-        p = tl.exp(scores - shift[:, None])
-        rescale = tl.exp(best - shift)
-        total = total * rescale + tl.sum(p, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION, out_dtype=tl.float32)
-        best = new_best
-        n0 += BLOCK_N
-    keep = row_ok[:, None] & dim_ok[None, :]
-    if splits == 1:
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    if INTERPRET:  # the interpreter cannot take a range bound loaded from memory
+        n0 = start
+        while n0 < end:
+            best, total, acc = _attend_tile(
+                q, n0, best, total, acc, k_ptr, v_ptr, tables_ptr, mask_ptr, b, kv_head, t, row_ok, dims, dim_ok,
+                prefix, end, scale, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh, stride_tb,
+                stride_mb, stride_mi, BLOCK_SIZE, BLOCK_N, CAUSAL, PRECISION, UPCAST)
+            n0 += BLOCK_N
+    else:  # a range the compiler pipelines: the next tile's loads overlap this tile's math
+        for n0 in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
+            best, total, acc = _attend_tile(
+                q, n0, best, total, acc, k_ptr, v_ptr, tables_ptr, mask_ptr, b, kv_head, t, row_ok, dims, dim_ok,
+                prefix, end, scale, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh, stride_tb,
+                stride_mb, stride_mi, BLOCK_SIZE, BLOCK_N, CAUSAL, PRECISION, UPCAST)
+    if splits == 1:  # every row of the block, padding rows as zeros (the output is never cleared beforehand)
+        out = tl.where(row_ok[:, None], acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
         tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=keep)
+                 out.to(out_ptr.dtype.element_ty), mask=((t < rows) & (g < GROUP))[:, None] & dim_ok[None, :])
     else:  # unnormalised partial results, with their maximum and sum, for _combine_splits_kernel
         tl.store(part_acc_ptr + split * stride_as + b * stride_ab + t[:, None] * stride_at
-                 + head[:, None] * stride_ah + dims[None, :], acc, mask=keep)
+                 + head[:, None] * stride_ah + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
         stats = part_stat_ptr + split * stride_ss + b * stride_sb + t * stride_st + head * stride_sh
         tl.store(stats, best, mask=row_ok)
         tl.store(stats + 1, total, mask=row_ok)
@@ -118,26 +136,35 @@ def _combine_splits_kernel(
     part_acc_ptr, part_stat_ptr, out_ptr, size_ptr,
     stride_as, stride_ab, stride_at, stride_ah, stride_ss, stride_sb, stride_st, stride_sh,
     stride_ob, stride_ot, stride_oh, splits,
-    PADDED_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
+    GROUP: tl.constexpr, PADDED_GROUP: tl.constexpr, PADDED_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PADDED_DIM: tl.constexpr,
 ):
+    """One program per (request, row, key/value head): the split partials of the head's query group."""
     b = tl.program_id(0)
     t = tl.program_id(1)
-    h = tl.program_id(2)
+    head = tl.program_id(2) * GROUP + tl.arange(0, PADDED_GROUP)  # (G,)
+    head_ok = tl.arange(0, PADDED_GROUP) < GROUP
+    dims = tl.arange(0, PADDED_DIM)
+    dim_ok = dims < HEAD_DIM
+    out_at = out_ptr + b * stride_ob + t * stride_ot + head[:, None] * stride_oh + dims[None, :]
     if t < tl.load(size_ptr + b):
         s = tl.arange(0, PADDED_SPLITS)
-        s_ok = s < splits
-        dims = tl.arange(0, PADDED_DIM)
-        stats = part_stat_ptr + s * stride_ss + b * stride_sb + t * stride_st + h * stride_sh
-        best = tl.load(stats, mask=s_ok, other=float("-inf"))
-        total = tl.load(stats + 1, mask=s_ok, other=0.0)
-        overall = tl.max(best, axis=0)
-        weight = tl.where(best == float("-inf"), 0.0, tl.exp(best - overall))  # a split that saw nothing: 0
-        acc = tl.load(part_acc_ptr + s[:, None] * stride_as + b * stride_ab + t * stride_at + h * stride_ah
-                      + dims[None, :], mask=s_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+        stat_ok = (s < splits)[:, None] & head_ok[None, :]  # (S, G)
+        stats = part_stat_ptr + s[:, None] * stride_ss + b * stride_sb + t * stride_st + head[None, :] * stride_sh
+        best = tl.load(stats, mask=stat_ok, other=float("-inf"))
+        total = tl.load(stats + 1, mask=stat_ok, other=0.0)
+        overall = tl.max(best, axis=0)  # (G,)
+        overall = tl.where(overall == float("-inf"), 0.0, overall)
+        weight = tl.where(best == float("-inf"), 0.0, tl.exp(best - overall[None, :]))  # a split that saw nothing: 0
+        acc = tl.load(part_acc_ptr + s[:, None, None] * stride_as + b * stride_ab + t * stride_at
+                      + head[None, :, None] * stride_ah + dims[None, None, :],
+                      mask=stat_ok[:, :, None] & dim_ok[None, None, :], other=0.0)  # (S, G, D)
         denominator = tl.sum(total * weight, axis=0)
-        out = tl.sum(acc * weight[:, None], axis=0) / tl.where(denominator > 0, denominator, 1.0)
-        tl.store(out_ptr + b * stride_ob + t * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
-                 mask=dims < HEAD_DIM)
+        out = tl.sum(acc * weight[:, :, None], axis=0) / tl.where(denominator > 0, denominator, 1.0)[:, None]
+        tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
+    else:  # a padding row: zeros (the output is never cleared beforehand)
+        tl.store(out_at, tl.zeros((PADDED_GROUP, PADDED_DIM), out_ptr.dtype.element_ty),
+                 mask=head_ok[:, None] & dim_ok[None, :])
 
 
 @functools.cache
@@ -145,14 +172,38 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
+# Launch settings, chosen on an H200 by `python -m treeserve.verifier.attention_sweep` (docs/benchmarks.md):
+# query rows per program (tree rows x grouped heads), keys per tile, warps, pipeline stages, and how many
+# programs per streaming multiprocessor the key-range splits aim for. TREESERVE_ATTENTION_TUNING (JSON) overrides
+# them, for another GPU.
+TUNING = {"query_rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2}
+
+
+def _tuning_from_environment() -> dict:
+    text = os.environ.get("TREESERVE_ATTENTION_TUNING") or "{}"
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError:
+        given = None
+    if not isinstance(given, dict) or set(given) - set(TUNING) or not all(
+            isinstance(v, int) and v > 0 for v in given.values()):
+        raise ValueError(f"TREESERVE_ATTENTION_TUNING={text!r}: expected a JSON object of positive integers with "
+                         f"keys among {sorted(TUNING)}")
+    return given
+
+
+TUNING.update(_tuning_from_environment())
+
+
 def default_splits(programs: int, device: torch.device) -> int:
-    """Key-range splits so that about two programs per streaming multiprocessor run (at most 32)."""
-    return max(1, min(32, (2 * multiprocessors(device)) // max(1, programs)))
+    """Key-range splits so that about TUNING["programs_per_sm"] programs per streaming multiprocessor run (at
+    most 32)."""
+    return max(1, min(32, (TUNING["programs_per_sm"] * multiprocessors(device)) // max(1, programs)))
 
 
 def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
                    prefix_lens: torch.Tensor, tree_sizes: torch.Tensor, tree_mask: torch.Tensor | None,
-                   scale: float | None = None, block_n: int = 64, splits: int | None = None) -> torch.Tensor:
+                   scale: float | None = None, splits: int | None = None) -> torch.Tensor:
     """The Triton kernel for `references.tree_attention_reference` (same arguments); padding rows come out
     zero. `splits`: key-range splits per row block (default: from the shapes and the GPU)."""
     batch, rows, heads, head_dim = q.shape
@@ -164,11 +215,11 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bl
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     group = heads // kv_heads
     padded_group = triton.next_power_of_2(group)
-    # 16 query rows at least (tl.dot's minimum), about 64 when the tree is large enough.
-    block_t = max(16 // padded_group, min(triton.next_power_of_2(rows), max(1, 64 // padded_group)))
+    # 16 query rows at least (tl.dot's minimum), about TUNING["query_rows"] when the tree is large enough.
+    block_t = max(16 // padded_group, min(triton.next_power_of_2(rows), max(1, TUNING["query_rows"] // padded_group)))
     row_blocks = triton.cdiv(rows, block_t)
     splits = splits or default_splits(batch * kv_heads * row_blocks, q.device)
-    out = torch.zeros_like(q)
+    out = torch.empty_like(q)  # the kernels write every row, padding rows as zeros
     causal = tree_mask is None
     # Causal reads no mask; any int8 tensor stands in for the pointer.
     mask = prefix_lens.new_zeros(1, 1, 1, dtype=torch.int8) if causal else tree_mask.to(torch.int8).contiguous()
@@ -180,19 +231,21 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bl
     else:  # unused
         part_acc = part_stat = out.new_empty(1, 1, 1, 1, 2, dtype=torch.float32)
     padded_dim = max(16, triton.next_power_of_2(head_dim))
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     _tree_attention_kernel[(batch, kv_heads, row_blocks * splits)](
         q, keys, values, out, part_acc, part_stat, tables, prefix_lens.to(torch.int32).contiguous(), sizes, mask,
         scale, q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        tables.stride(0), mask.stride(0), mask.stride(1), *part_acc.stride()[:4], *part_stat.stride()[:4], splits,
-        GROUP=group, PADDED_GROUP=padded_group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, PADDED_DIM=padded_dim,
-        BLOCK_T=block_t, BLOCK_N=block_n, CAUSAL=causal,
+        tables.stride(0), mask.stride(0), mask.stride(1), *part_acc.stride()[:4], *part_stat.stride()[:4], rows,
+        splits, GROUP=group, PADDED_GROUP=padded_group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        PADDED_DIM=padded_dim, BLOCK_T=block_t, BLOCK_N=TUNING["block_n"], CAUSAL=causal,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 exact, not TF32
         # Triton's interpreter multiplies bfloat16 matrices wrongly (NumPy has no bfloat16): upcast there.
-        UPCAST=os.environ.get("TRITON_INTERPRET") == "1" and q.dtype != torch.float32)
+        UPCAST=interpret and q.dtype != torch.float32, INTERPRET=interpret, NUM_STAGES=TUNING["num_stages"],
+        num_warps=TUNING["num_warps"])
     if splits > 1:
-        _combine_splits_kernel[(batch, rows, heads)](
+        _combine_splits_kernel[(batch, rows, kv_heads)](
             part_acc, part_stat, out, sizes, *part_acc.stride()[:4], *part_stat.stride()[:4],
-            out.stride(0), out.stride(1), out.stride(2), splits,
+            out.stride(0), out.stride(1), out.stride(2), splits, GROUP=group, PADDED_GROUP=padded_group,
             PADDED_SPLITS=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim, PADDED_DIM=padded_dim)
     return out

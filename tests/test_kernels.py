@@ -13,9 +13,11 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 from treeserve.kernels.references import (  # noqa: E402
-    kv_write_reference, rms_norm_reference, rope_reference, tree_attention_reference)
-from treeserve.kernels.rms_norm import rms_norm  # noqa: E402
+    add_rms_norm_reference, kv_write_reference, rms_norm_reference, rope_reference, silu_mul_reference,
+    tree_attention_reference)
+from treeserve.kernels.rms_norm import add_rms_norm, rms_norm  # noqa: E402
 from treeserve.kernels.rope import rope  # noqa: E402
+from treeserve.kernels.silu_mul import silu_mul  # noqa: E402
 from treeserve.kernels.tree_attention import tree_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -149,7 +151,7 @@ def test_kv_write_equals_reference_and_padding_rows_write_nowhere(num_blocks, bl
     assert torch.equal(want_keys.view(-1, kv_heads, head_dim)[untouched], keys.view(-1, kv_heads, head_dim)[untouched])
 
 
-# ------------------------------------------------------------------------------------------ RMSNorm and RoPE
+# ---------------------------------------------------------------------------- RMSNorm, RoPE and the activation
 
 @pytest.mark.parametrize("shape", [(1, 16), (7, 48), (3, 5, 576), (2, 3, 100)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -161,6 +163,34 @@ def test_rms_norm_equals_reference(shape, dtype):
     got = rms_norm(x, weight, 1e-5)
     assert got.shape == want.shape and got.dtype == want.dtype
     # float32 exactly up to summation order; bfloat16 within two rounding steps (2 ** -7 relative each).
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -6
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (7, 48), (3, 5, 576)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_equals_reference(shape, dtype):
+    g = torch.Generator().manual_seed(len(shape))
+    x, delta = ((torch.randn(shape, generator=g) * 3).to(dtype).to(DEVICE) for _ in range(2))
+    weight = torch.rand(shape[-1], generator=g).add(0.5).to(dtype).to(DEVICE)
+    want_sum, want = add_rms_norm_reference(x, delta, weight, 1e-5)
+    got_sum, got = add_rms_norm(x, delta, weight, 1e-5)
+    assert got_sum.shape == got.shape == want.shape and got.dtype == got_sum.dtype == dtype
+    if DEVICE == "cuda" or dtype == torch.float32:
+        assert torch.equal(got_sum, want_sum)  # one rounding of an exact float32 sum: the same bits
+    else:  # the interpreter's bfloat16 rounding breaks ties away from even: at most one unit in the last place
+        torch.testing.assert_close(got_sum.float(), want_sum.float(), atol=0, rtol=2 ** -7)
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -6
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 16), (7, 2 * 48), (3, 5, 2 * 1536), (2, 2 * 1100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_equals_reference(shape, dtype):
+    g = torch.Generator().manual_seed(shape[-1])
+    gate_up = (torch.randn(shape, generator=g) * 4).to(dtype).to(DEVICE)
+    want, got = silu_mul_reference(gate_up), silu_mul(gate_up)
+    assert got.shape == want.shape == (*shape[:-1], shape[-1] // 2) and got.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 2 ** -6
     torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
 

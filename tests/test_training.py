@@ -217,7 +217,7 @@ def test_new_drafter_shape_and_mask_token(target):
     with pytest.raises(TreeserveError, match="target layer ids"):
         T.drafter_config(target.config, 7, target_layer_ids=(2,))
     init = T.new_drafter(T.drafter_config(target.config, 7, 1, 4, LAYER_IDS), init_from=target)
-    assert torch.equal(init.layers[0].mlp.up_proj.weight, target.model.layers[-1].mlp.up_proj.weight)
+    assert torch.equal(init.layers[0].mlp.gate_up_proj.weight, target.model.layers[-1].mlp.gate_up_proj.weight)
 
 
 # ------------------------------------------------------------------------------------------ command lines

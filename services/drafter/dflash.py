@@ -28,7 +28,7 @@ from torch import nn
 
 from treeserve.errors import TreeserveError
 from treeserve.loading.hf_folder import config_from_hf, read_json, safetensors_reader
-from treeserve.loading.weights import fill_parameters
+from treeserve.loading.weights import checkpoint_state, fill_parameters
 from treeserve.models import ModelConfig
 from treeserve.models.graphs import PagedRunner, TreeRows
 from treeserve.models.paged_kv import PagedAttention, PagedKVCache, PagedSequence, paged_kernels
@@ -129,16 +129,15 @@ class DFlashModel(nn.Module):
         sequence.keep(list(range(n)))
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor):
-        """Per draft layer, the keys (k_proj, k-norm, RoPE) and values of the projected features."""
+        """Per draft layer, the keys (k projection, k-norm, RoPE) and values of the projected features."""
         hidden = self.hidden_norm(self.fc(features))
         cos, sin = rope_cos_sin(self.rope_inv_freq, positions, hidden.dtype)
         keys, values = [], []
-        n = hidden.shape[0]
         for layer in self.layers:
             attn = layer.self_attn
-            k = attn.k_norm(attn.k_proj(hidden).view(n, attn.num_kv_heads, attn.head_dim))
-            keys.append(apply_rope(k, cos, sin))
-            values.append(attn.v_proj(hidden).view(n, attn.num_kv_heads, attn.head_dim))
+            k, v = attn.key_values(hidden)
+            keys.append(apply_rope(attn.k_norm(k), cos, sin))
+            values.append(v)
         return keys, values
 
     def forward(self, block_embeddings: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
@@ -179,7 +178,7 @@ def save_dflash(model: DFlashModel, folder: str | Path, dtype: torch.dtype = tor
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / CONFIG_NAME).write_text(json.dumps(model.config.to_json(), indent=2) + "\n")
-    state = {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in model.state_dict().items()}
+    state = {name: tensor.detach().to("cpu", dtype).contiguous() for name, tensor in checkpoint_state(model).items()}
     save_file(state, folder / WEIGHTS_NAME, metadata={"format": "pt"})
 
 

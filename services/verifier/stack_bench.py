@@ -1,10 +1,10 @@
 """python -m treeserve.verifier.stack_bench: greedy tokens per second of the three-service stack at one request,
-with the verifier's CUDA graphs on and off, for plain decoding and each drafter.
+with CUDA graphs on and off (the verifier's, and the DFlash drafter's), for plain decoding and each drafter.
 
-For each verifier mode it starts drafter, verifier and gateway (as `treeserve up` does) once per drafter
-configuration, sends the prompts one at a time through the gateway (after one untimed warm-up request), and
-measures output tokens over wall time at the client. Plain decoding (speculation disabled per request) runs on the first stack of each mode, and every
-speculative output is compared with it token for token. Writes JSON with --out.
+For each mode it starts drafter, verifier and gateway (as `treeserve up` does) once per drafter configuration,
+sends the prompts one at a time through the gateway (after untimed warm-up requests), and measures output
+tokens over wall time at the client. Plain decoding (speculation disabled per request) runs on the first stack
+of each mode, and every speculative output is compared with it token for token. Writes JSON with --out.
 """
 
 from __future__ import annotations
@@ -68,8 +68,10 @@ def start_stack(runtime: Path, args, kind: str, tree: str, graphs: str, metrics_
     stack = Stack(runtime)
     common = ["--target", args.target, "--device", args.device, "--dtype", args.dtype]
     drafter_args = ["--kind", kind, "--tree", tree, *common]
-    if kind == "dflash" and args.drafter_path:
-        drafter_args += ["--drafter-path", args.drafter_path]
+    if kind == "dflash":  # the DFlash drafter's block forward runs from graphs too, or not
+        drafter_args += ["--cuda-graphs", graphs, "--max-batch", str(args.max_batch)]
+        if args.drafter_path:
+            drafter_args += ["--drafter-path", args.drafter_path]
     drafter = stack.start("drafter", drafter_args)
     stack.wait_serving(args.start_timeout_s)
     verifier = stack.start("verifier", [*common, "--drafter", drafter, "--default-budget", str(args.budget),

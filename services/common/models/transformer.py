@@ -1,7 +1,10 @@
 """The decoder used for every supported family, in plain PyTorch.
 
-Parameter names mirror the Hugging Face checkpoints (model.layers.N.self_attn.q_proj.weight, ...) so an HF
-state dict loads as it is and other formats are renamed into it once, in their loader.
+Parameter names mirror the Hugging Face checkpoints (model.layers.N.self_attn.o_proj.weight, ...), except that
+q/k/v and gate/up are fused into one projection each (`qkv_proj`, `gate_up_proj`: one GEMM instead of three and
+two); modules with fused projections list their checkpoint parts in `fused_parts`, and the loaders
+(treeserve.loading.weights) read checkpoints, HF-named, through them. Other formats are renamed to HF names once,
+in their loader.
 
 A forward takes a flat list of tokens with explicit positions plus an attention object that owns the KV cache
 and the mask; the model itself does not know whether it is running a prompt, a chain or a tree.
@@ -15,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeserve.kernels.references import rms_norm_reference, rope_reference
+from treeserve.kernels.references import (
+    add_rms_norm_reference, rms_norm_reference, rope_reference, silu_mul_reference)
 from treeserve.models.config import ModelConfig
 
 
@@ -44,6 +48,14 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         return rms_norm_reference(x, self.weight, self.eps)
 
+    def after_add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual sum x + delta and its norm (one kernel on a GPU)."""
+        if use_kernels(x):
+            from treeserve.kernels.rms_norm import add_rms_norm
+
+            return add_rms_norm(x, delta, self.weight, self.eps)
+        return add_rms_norm_reference(x, delta, self.weight, self.eps)
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x (N, H, D) at the positions of cos/sin (N, 1, D), from `rope_cos_sin`."""
@@ -52,6 +64,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
         return rope(x, cos, sin)
     return rope_reference(x, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if use_kernels(gate_up):
+        from treeserve.kernels.silu_mul import silu_mul as kernel
+
+        return kernel(gate_up)
+    return silu_mul_reference(gate_up)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
@@ -63,15 +83,17 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
 
 
 class SelfAttention(nn.Module):
+    """q, k and v come from one fused projection (one GEMM instead of three); checkpoints keep them apart
+    (`fused_parts` tells the loader how they stack)."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.fused_parts = {"qkv_proj": (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size))}
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -79,26 +101,37 @@ class SelfAttention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)
+        q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=1)
+        if self.q_norm is None:  # q and k side by side: one RoPE launch for both
+            q, k = apply_rope(qkv[:, :heads + kv_heads], cos, sin).split((heads, kv_heads), dim=1)
+        else:
+            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
         out = attention(self.layer, q, k, v)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(n, heads * self.head_dim))
+
+    def key_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (before k-norm and RoPE) and values of x alone, (N, kv_heads, head_dim) each, from the k and v
+        rows of the fused projection."""
+        rows = slice(self.num_heads * self.head_dim, None)
+        bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias[rows]
+        kv = F.linear(x, self.qkv_proj.weight[rows], bias).view(x.shape[0], 2 * self.num_kv_heads, self.head_dim)
+        return kv.split((self.num_kv_heads, self.num_kv_heads), dim=1)
 
 
 class MLP(nn.Module):
+    """Gate and up in one fused projection, then SiLU(gate) * up in one kernel on a GPU."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fused_parts = {"gate_up_proj": (("gate_proj", cfg.intermediate_size),
+                                             ("up_proj", cfg.intermediate_size))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -110,8 +143,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, attention: Attention):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, normed = self.post_attention_layernorm.after_add(
+            x, self.self_attn(self.input_layernorm(x), cos, sin, attention))
+        return x + self.mlp(normed)
 
 
 class DecoderStack(nn.Module):
