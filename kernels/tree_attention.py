@@ -176,7 +176,7 @@ def multiprocessors(device: torch.device) -> int:
 # query rows per program (tree rows x grouped heads), keys per tile, warps, pipeline stages, and how many
 # programs per streaming multiprocessor the key-range splits aim for. TREESERVE_ATTENTION_TUNING (JSON) overrides
 # them, for another GPU.
-TUNING = {"query_rows": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2}
+TUNING = {"query_rows": 64, "block_n": 32, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2}
 
 
 def _tuning_from_environment() -> dict:

@@ -20,18 +20,18 @@ def test_a_shard_holds_its_heads_and_columns_and_the_slices_rebuild_each_tensor(
     cfg = tiny_config("qwen2")  # 4 heads over 2 key/value heads, MLP 96
     local = Shard(1, 2).config(cfg)
     assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (2, 1, 48)
-    assert (local.hidden_size, local.vocab_size, local.head_dim) == (cfg.hidden_size, cfg.vocab_size, cfg.head_dim)
+    assert (local.hidden_size, local.head_dim, local.vocab_size) == (cfg.hidden_size, cfg.head_dim, cfg.vocab_size // 2)
     with pytest.raises(TreeserveError, match="num_kv_heads .2. does not divide by 4"):
         Shard(0, 4).config(cfg)
     weight = torch.arange(48.0 * 6).reshape(48, 6)
     for name, dim in [("model.layers.0.self_attn.q_proj.weight", 0), ("model.layers.1.self_attn.v_proj.bias", 0),
                       ("model.layers.0.mlp.up_proj.weight", 0), ("model.layers.0.self_attn.o_proj.weight", 1),
-                      ("model.layers.1.mlp.down_proj.weight", 1)]:
+                      ("model.layers.1.mlp.down_proj.weight", 1), ("lm_head.weight", 0)]:
         tensor = weight if name.endswith("weight") else weight[:, 0]
         parts = [Shard(rank, 2).slice(name, tensor) for rank in range(2)]
         assert parts[0].shape[dim] == tensor.shape[dim] // 2, name
         assert torch.equal(torch.cat(parts, dim=dim), tensor), name
-    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight"):
+    for name in ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight"):
         assert Shard(1, 2).slice(name, weight) is weight
 
 
@@ -47,6 +47,9 @@ def generate(target, *args: str) -> dict:
 @pytest.mark.parametrize("case, flags", [
     ("qwen2", ["--drafter", "ngram", "--budget", "8"]),  # q/k/v biases split with their rows
     ("llama", ["--drafter", "ngram", "--temperature", "0.8", "--seed", "3"]),
+    ("qwen3", ["--drafter", "none"]),  # q/k norms on each rank's heads
+    ("llama3", ["--drafter", "ngram", "--budget", "16"]),
+    ("mistral", ["--drafter", "ngram", "--budget", "4"]),
 ])
 def test_generate_on_two_ranks_gives_the_tokens_of_one(tmp_path, case, flags):
     target = tiny_models.write_hf_folder(case, tmp_path / case, seed=0)
@@ -60,5 +63,5 @@ def test_a_count_that_does_not_divide_is_one_clear_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "treeserve", "generate", "--target", str(target), "--prompt", "hi",
                            "--tp", "4"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
-    assert done.stderr.strip().splitlines() == ["treeserve: error: --tp 4: the model's num_kv_heads (2) does not "
+    assert done.stderr.strip().splitlines() == ["treeserve generate: error: --tp 4: the model's num_kv_heads (2) does not "
                                                 "divide by 4"]

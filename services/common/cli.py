@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--budget", type=int, default=16, help=f"default tree budget, 1 to {MAX_BUDGET} (default 16)")
     up.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     up.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    up.add_argument("--tp", type=int, default=1, help="the verifier's tensor-parallel ranks (default 1)")
     up.add_argument("--runtime-dir", help="folder for sockets and logs (default: a new temporary folder)")
     up.add_argument("--start-timeout-s", type=float, default=600, help="how long to wait for the services")
     up.add_argument("--grace-s", type=float, default=10, help="drain period on stop (default 10)")
@@ -217,60 +218,65 @@ def run_generate(args) -> int:
     generation_params(args)  # bad input fails here once, not once per rank
     read_prompt(args)
     from treeserve import parallel
+    from treeserve.verifier.tensor_parallel import follower_main
 
-    if "RANK" in os.environ:  # started by torchrun (or another launcher) as one of its ranks
-        return run_tensor_parallel_rank(args)
-    if args.seed is None:  # every rank must sample with the same seed
+    if args.seed is None:  # rank 0 samples, but the seed is reported
         from treeserve.sampling import random_seed
 
         args.seed = random_seed()
-    return parallel.launch(run_tensor_parallel_rank, args, args.tp)
-
-
-def run_tensor_parallel_rank(args) -> int:
-    """One rank of `generate --tp N`: all ranks run the same generation; rank 0 alone prints."""
-    from treeserve import parallel
-
-    if int(os.environ["WORLD_SIZE"]) != args.tp:
-        raise TreeserveError(f"--tp {args.tp}, but the launcher started {os.environ['WORLD_SIZE']} ranks")
-    shard = parallel.join(args.device)
+    if "RANK" in os.environ:  # started by torchrun (or another launcher) as one of its ranks
+        if int(os.environ["WORLD_SIZE"]) != args.tp:
+            raise TreeserveError(f"--tp {args.tp}, but the launcher started {os.environ['WORLD_SIZE']} ranks")
+        if int(os.environ["RANK"]) != 0:
+            return follower_main(args)
+        return generate_on_rank(args, parallel.join(args.device))
+    followers = parallel.start_followers(follower_main, args, args.tp)
     try:
-        return generate_on_rank(args, shard)
-    except TreeserveError as error:
-        if shard.rank == 0:
-            print(f"treeserve: error: {error}", file=sys.stderr)
-        return 1
+        return generate_on_rank(args, parallel.join(args.device))
+    finally:
+        parallel.stop_followers(followers)
 
 
 def generate_on_rank(args, shard) -> int:
-    """`generate` on one process: the whole target (shard None), or one tensor-parallel rank's part of it."""
+    """`generate` on one process: the whole target (shard None), or rank 0 of a tensor-parallel one, whose
+    followers repeat its forwards (treeserve.verifier.tensor_parallel)."""
     params = generation_params(args)
     prompt = read_prompt(args)
-    quiet = shard is not None and shard.rank != 0
+    from treeserve import parallel
     from treeserve.loading import load_target
     from treeserve.models.graphs import graphs_wanted
     from treeserve.verifier import Generation
-    from treeserve.verifier.graphs import build_verifier
+    from treeserve.verifier.tensor_parallel import Mirror, build_mirrored_verifier
 
-    args.drafter = resolved_drafter(args)
+    chosen, args.drafter = args.drafter, resolved_drafter(args)
+    if shard is not None and args.drafter == "dflash":  # it would run the target's sharded LM head on rank 0 alone
+        if chosen != "auto":
+            raise TreeserveError("--tp: the DFlash drafter runs as its own service beside a tensor-parallel "
+                                 "verifier; here use --drafter ngram, a draft model, or none")
+        args.drafter = "ngram"
     target = load_target(args.target, device=args.device, dtype=args.dtype, shard=shard)
     graphs = shard is None and graphs_wanted(args.cuda_graphs, args.device)  # not yet under --tp
     drafter = make_drafter(args, target, graphs)
     tokenizer = target.tokenizer
     prompt_ids = tokenizer.encode_chat(prompt) if args.chat else tokenizer.encode(prompt)
     budget = args.budget if drafter is not None else 0
-    # A pool of exactly this request's size; graphs for its one batch size and tree sizes up to its budget.
-    verifier = build_verifier(target.model, 1, graphs, kv_cache_tokens=len(prompt_ids) + params.max_new_tokens + budget, max_tree=budget + 1)
-    generation = Generation(target.model, tokenizer, prompt_ids, params, drafter, budget, verifier=verifier)
-    if verifier.use_graphs:
-        verifier.capture(generation.feature_layer_ids)
-    if args.json or quiet:
-        while not generation.finished:
-            generation.step()
-    else:
-        stream_text(generation)
-    if quiet:
-        return 0
+    mirror = None if shard is None else Mirror(parallel.control_group())
+    try:
+        # A pool of exactly this request's size; graphs for its one batch size and tree sizes up to its budget.
+        verifier = build_mirrored_verifier(target.model, mirror, max_batch=1, graphs=graphs,
+                                           kv_cache_tokens=len(prompt_ids) + params.max_new_tokens + budget,
+                                           max_tree=budget + 1)
+        generation = Generation(target.model, tokenizer, prompt_ids, params, drafter, budget, verifier=verifier)
+        if verifier.use_graphs:
+            verifier.capture(generation.feature_layer_ids)
+        if args.json:
+            while not generation.finished:
+                generation.step()
+        else:
+            stream_text(generation)
+    finally:
+        if mirror is not None:
+            mirror.close()
     result = generation.result()
     summary = {
         "token_ids": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
@@ -304,6 +310,8 @@ def run_client(args) -> int:
 def run_up_command(args) -> int:
     if not 1 <= args.budget <= MAX_BUDGET:
         raise TreeserveError(f"--budget must be between 1 and {MAX_BUDGET}, got {args.budget}")
+    if args.tp < 1:
+        raise TreeserveError(f"--tp must be at least 1, got {args.tp}")
     args.drafter = resolved_drafter(args)
     if args.drafter == "model" and not args.drafter_path:
         raise TreeserveError("--drafter model needs --drafter-path")

@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import functools
 import logging
+import os
+import signal
 import sys
 
 from treeserve.errors import TreeserveError
@@ -36,7 +38,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "memory free after room for the largest forward; on the CPU, 16384)")
     p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default=env("cuda_graphs", "auto"),
                    help="replay tree verification from CUDA graphs captured at start-up (auto: with --device "
-                        "cuda); off is for debugging")
+                        "cuda and --tp 1); off is for debugging")
+    p.add_argument("--tp", type=int, default=env("tp", "1"),
+                   help="tensor-parallel ranks (default 1): this process is rank 0 and starts the others on this "
+                        "host (one GPU each), unless a launcher such as torchrun set RANK and WORLD_SIZE")
     p.add_argument("--draft-timeout-s", type=float, default=env("draft_timeout_s", "2.0"),
                    help="a drafter slower than this is treated as down for the round")
     p.add_argument("--grace-s", type=float, default=env("grace_s", "10"), help="drain period on SIGTERM")
@@ -55,16 +60,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--kv-cache-tokens must be 0 (sized from memory) or positive")
     if args.cuda_graphs == "on" and args.device != "cuda":
         p.error("--cuda-graphs on needs --device cuda")
+    if args.tp < 1:
+        p.error("--tp must be at least 1")
+    if args.tp > 1 and args.cuda_graphs == "on":
+        p.error("--cuda-graphs on needs --tp 1 (graphs under --tp are not validated on a GPU yet)")
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != args.tp:
+        p.error(f"--tp {args.tp}, but the launcher started {os.environ['WORLD_SIZE']} ranks")
     return args
 
 
-async def serve(args) -> None:
-    from treeserve import serving, telemetry
+async def serve(args, shard=None, followers=()) -> None:
+    """Rank 0's service (the only one with a `shard` is rank 0 of a tensor-parallel target; `followers`: the rank
+    processes it started, watched so that one that dies takes the service down)."""
+    from treeserve import parallel, serving, telemetry
     from treeserve.loading import load_target
     from treeserve.verifier.drafter_link import DrafterLink, expand_drafter_addresses
     from treeserve.models.graphs import graphs_wanted
-    from treeserve.verifier.graphs import build_verifier
     from treeserve.verifier.server import VerifierServicer
+    from treeserve.verifier.tensor_parallel import Mirror, build_mirrored_verifier
 
     metrics = telemetry.VerifierMetrics()
     tracing = telemetry.start_telemetry("verifier", metrics, args.metrics_listen)
@@ -73,14 +86,19 @@ async def serve(args) -> None:
                                 tracing, metrics)
     service = await serving.start(args.listen, servicer.register)
     log.info("verifier listening on %s; loading %s", service.address, args.target)
+    mirror = None if shard is None else Mirror(parallel.control_group())
     try:
-        target = await asyncio.to_thread(load_target, args.target, args.device, args.dtype)
-        verifier = await asyncio.to_thread(build_verifier, target.model, args.max_batch,
-                                           graphs_wanted(args.cuda_graphs, args.device), args.kv_cache_tokens)
+        target = await asyncio.to_thread(load_target, args.target, args.device, args.dtype, shard)
+        graphs = shard is None and graphs_wanted(args.cuda_graphs, args.device)  # not yet under --tp
+        verifier = await asyncio.to_thread(build_mirrored_verifier, target.model, mirror, max_batch=args.max_batch,
+                                           graphs=graphs, kv_cache_tokens=args.kv_cache_tokens)
     except BaseException:
         await serving.abandon(service)
         raise
     scheduler = servicer.attach(target, verifier)
+    # A lost tensor-parallel rank: the scheduler has failed every stream; stop as on SIGTERM.
+    scheduler.on_rank_lost = lambda error: os.kill(os.getpid(), signal.SIGTERM)
+    watch_followers(followers, scheduler)
     for link in links:
         await scheduler.connect(link)
     if verifier.use_graphs:  # after the drafters: the graphs compute the features they asked for
@@ -95,20 +113,60 @@ async def serve(args) -> None:
         for link in links:
             await link.close()
         tracing.shutdown()
+        if scheduler.lost is not None:
+            # A forward thread may still wait in a collective that will never complete: leave without it.
+            parallel.stop_followers(list(followers), timeout_s=0)
+            logging.shutdown()
+            os._exit(1)
+        if mirror is not None:
+            mirror.close()
 
     await serving.run_until_signalled(service, args.grace_s, stop)
 
 
+def watch_followers(followers, scheduler) -> None:
+    """Fail the service (scheduler.lose) as soon as a follower rank process exits."""
+    if not followers:
+        return
+    import multiprocessing.connection
+    import threading
+
+    from treeserve.verifier.tensor_parallel import RankLost
+
+    loop = asyncio.get_running_loop()
+
+    def wait():
+        gone = multiprocessing.connection.wait([process.sentinel for process in followers])
+        process = next(p for p in followers if p.sentinel in gone)
+        process.join(1)
+        loop.call_soon_threadsafe(scheduler.lose, RankLost(f"tensor-parallel {process.name} exited "
+                                                           f"(code {process.exitcode})"))
+
+    threading.Thread(target=wait, name="treeserve-rank-watch", daemon=True).start()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from treeserve import serving
+    from treeserve import parallel, serving
 
     serving.setup_logging(args.log_level)
+    followers = []
     try:
-        serving.run(serve(args))
+        if args.tp == 1:
+            serving.run(serve(args))
+            return 0
+        from treeserve.verifier.tensor_parallel import follower_main
+
+        if "RANK" in os.environ and int(os.environ["RANK"]) != 0:  # a rank torchrun started: follow rank 0
+            return follower_main(args)
+        if "RANK" not in os.environ:
+            followers = parallel.start_followers(follower_main, args, args.tp)
+        serving.run(serve(args, parallel.join(args.device), followers))
     except TreeserveError as error:
         print(f"treeserve verifier: error: {error}", file=sys.stderr)
         return 1
+    finally:
+        parallel.stop_followers(followers)
     return 0
 
 

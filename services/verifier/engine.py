@@ -78,15 +78,14 @@ def forward_batch(model: DecoderLM, plans: list[ForwardPlan], feature_layer_ids:
     features: list[torch.Tensor | None] = [None] * len(plans)
     prompts = [i for i, plan in enumerate(plans) if plan.tree is None]
     trees = [i for i, plan in enumerate(plans) if plan.tree is not None]
+    verifier = verifier or TreeVerifier(model, plans[0].cache.cache, max_batch=len(plans))
     if prompts:
-        kernels = model.device.type == "cuda"  # the Triton kernels on a GPU, their PyTorch references elsewhere
         attention = PagedAttention.for_prompts([plans[i].cache for i in prompts],
-                                               [len(plans[i].tokens) for i in prompts], kernels)
-        found = _forward_packed(model, [plans[i] for i in prompts], feature_layer_ids, attention)
+                                               [len(plans[i].tokens) for i in prompts], verifier.kernels)
+        found = _forward_packed(model, [plans[i] for i in prompts], feature_layer_ids, attention, verifier)
         for i, plan_logits, plan_features in zip(prompts, *found):
             logits[i], features[i] = plan_logits, plan_features
     if trees:
-        verifier = verifier or TreeVerifier(model, plans[trees[0]].cache.cache, max_batch=len(trees))
         found = verifier.verify([plans[i].cache for i in trees], [plans[i].tokens for i in trees],
                                 [plans[i].positions for i in trees], [plans[i].mask for i in trees],
                                 feature_layer_ids)
@@ -96,19 +95,24 @@ def forward_batch(model: DecoderLM, plans: list[ForwardPlan], feature_layer_ids:
 
 
 def _forward_packed(model: DecoderLM, plans: list[ForwardPlan], feature_layer_ids: tuple[int, ...],
-                    attention: PagedAttention | None) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """The plans' rows packed one after another; contiguous caches when `attention` is None."""
-    device = model.device
-    tokens = torch.tensor([t for plan in plans for t in plan.tokens]).to(device, non_blocking=True)
-    positions = torch.cat([plan.positions for plan in plans]).to(device, non_blocking=True)
-    if attention is None:
-        attention = BatchAttention([TreeAttention(plan.cache, _mask(plan).to(device)) for plan in plans])
+                    attention: PagedAttention | None, verifier: TreeVerifier | None = None
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """The plans' rows packed one after another: prompts over the paged pool through `verifier` (with
+    `attention` from PagedAttention.for_prompts), or contiguous caches when `attention` is None."""
+    tokens = torch.tensor([t for plan in plans for t in plan.tokens])
+    positions = torch.cat([plan.positions for plan in plans])
     rows, offset = [], 0
     for plan in plans:
         rows.extend(offset + r for r in plan.logits_rows)
         offset += len(plan.tokens)
-    logits, hidden = model(tokens, positions, attention, logits_rows=torch.tensor(rows).to(device),
-                           hidden_layer_ids=feature_layer_ids)
+    rows = torch.tensor(rows)
+    if attention is None:
+        device = model.device
+        attention = BatchAttention([TreeAttention(plan.cache, _mask(plan).to(device)) for plan in plans])
+        logits, hidden = model(tokens.to(device, non_blocking=True), positions.to(device, non_blocking=True),
+                               attention, logits_rows=rows.to(device), hidden_layer_ids=feature_layer_ids)
+    else:
+        logits, hidden = verifier.prefill(attention, tokens, positions, rows, feature_layer_ids)
     logits_per_plan = list(torch.split(logits, [len(plan.logits_rows) for plan in plans]))
     if not feature_layer_ids:
         return logits_per_plan, [None] * len(plans)

@@ -105,7 +105,7 @@ def replay_ms(step, repeats: int, calls: int = 20) -> float:
 
 
 def verification_costs(model: DecoderLM, batches: list[int], tree_sizes: list[int], context: int, repeats: int,
-                       graphs: bool, device: str) -> list[dict]:
+                       graphs: bool, device: str, verbose: bool = True) -> list[dict]:
     from treeserve.verifier.graphs import TreeVerifier
 
     cfg = model.config
@@ -134,7 +134,9 @@ def verification_costs(model: DecoderLM, batches: list[int], tree_sizes: list[in
             ms = timed(lambda: verifier.verify(sequences, *args), repeats, device)
             rows.append({"batch": batch, "tree_nodes": size, "context": context, "ms": round(ms, 4),
                          "graphs": graphs})
-            print(f"  {'graphs' if graphs else 'eager '} batch {batch:3d} tree {size:3d}: {ms:8.3f} ms", flush=True)
+            if verbose:
+                print(f"  {'graphs' if graphs else 'eager '} batch {batch:3d} tree {size:3d}: {ms:8.3f} ms",
+                      flush=True)
         for sequence in sequences:
             sequence.release()
     if graphs:
@@ -189,8 +191,15 @@ def parse_args(argv=None):
                    help="contexts for the kernel against SDPA (default 1024,8192,32768; empty: skip)")
     p.add_argument("--modes", default="graphs,eager", help="graphs, eager or both (default graphs,eager)")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks, one GPU each (default 1): every rank runs the bench on its shard "
+                        "in lockstep, rank 0 reports")
     p.add_argument("--out", help="write the figures here as JSON")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tp < 1 or (args.tp > 1 and args.device != "cuda"):
+        p.error("--tp must be 1, or more with --device cuda")
+    args.argv = sys.argv[1:] if argv is None else argv
+    return args
 
 
 def main(argv=None) -> int:
@@ -198,24 +207,46 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("graph_bench: error: no CUDA device (use --device cpu --shape tiny to try the bench)", file=sys.stderr)
         return 1
+    if args.tp == 1:
+        return run(args)
+    from treeserve import parallel
+
+    followers = parallel.start_followers(run, args, args.tp)
+    try:
+        return run(args)
+    finally:
+        parallel.stop_followers(followers)
+
+
+def run(args) -> int:
+    """The bench on this process: the whole model, or (under --tp) this rank's shard of it."""
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     cfg, dtype = SHAPES[args.shape], getattr(torch, args.dtype)
+    rank = 0
+    if args.tp > 1:
+        from treeserve import parallel
+
+        shard = parallel.join(args.device)
+        rank, cfg = shard.rank, shard.config(cfg)
     model = random_model(cfg, args.device, dtype)
-    report = {"shape": args.shape, "dtype": args.dtype, "device": torch.cuda.get_device_name()
+    if args.tp > 1:
+        parallel.add_collectives(model, args.tp)
+    report = {"shape": args.shape, "dtype": args.dtype, "tp": args.tp, "device": torch.cuda.get_device_name()
               if args.device == "cuda" else "cpu", "command": "python -m treeserve.verifier.graph_bench "
-              + shlex.join(sys.argv[1:] if argv is None else argv), "verification": []}
+              + shlex.join(args.argv), "verification": []}
     try:
         modes = args.modes.split(",") if args.device == "cuda" else ["eager"]
         for graphs in [mode == "graphs" for mode in modes]:
             report["verification"] += verification_costs(model, ints(args.batches), ints(args.tree_sizes),
-                                                          args.context, args.repeats, graphs, args.device)
-        if args.device == "cuda" and ints(args.attention_contexts):
+                                                          args.context, args.repeats, graphs, args.device,
+                                                          verbose=rank == 0)
+        if rank == 0 and args.device == "cuda" and ints(args.attention_contexts):
             report["attention"] = attention_costs(cfg, ints(args.attention_contexts), 65, args.repeats, dtype,
                                                   args.device)
     except TreeserveError as error:
         print(f"graph_bench: error: {error}", file=sys.stderr)
         return 1
-    if args.out:
+    if args.out and rank == 0:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     return 0

@@ -13,6 +13,7 @@ from treeserve.models import DecoderLM
 from treeserve.models.graphs import PagedRunner, TreeRows, buckets_up_to
 from treeserve.models.paged_kv import PagedAttention, PagedInputs, PagedKVCache, PagedSequence
 from treeserve.tree import MAX_BUDGET
+from treeserve.verifier.tensor_parallel import agreed_blocks
 
 log = logging.getLogger("treeserve.verifier")
 
@@ -36,6 +37,14 @@ class TreeVerifier:
         self.runner = PagedRunner(pool, self._forward, max_batch, buckets_up_to(max_tree, TREE_BUCKETS),
                                   model.config.max_context, graphs)
         self.captured_features: tuple[int, ...] | None = None
+        self.mirror = None  # on rank 0 of a tensor-parallel target: the other ranks' channel (tensor_parallel)
+
+    def mirror_to(self, mirror) -> None:
+        """Rank 0 of a tensor-parallel target: send every forward, capture and KV move to the other ranks first."""
+        self.mirror = mirror
+        self.pool.recorded_moves = []
+        self.runner.on_execute = lambda key, staged: mirror.send(
+            "run", key=key, staged=staged, feature_layer_ids=self.feature_layer_ids)
 
     @property
     def use_graphs(self) -> bool:
@@ -47,6 +56,8 @@ class TreeVerifier:
         return logits, torch.cat(hidden, dim=-1) if hidden else None
 
     def capture(self, feature_layer_ids: tuple[int, ...] = ()) -> None:
+        if self.mirror is not None:  # every rank captures: the graphs hold their collectives
+            self.mirror.send("capture", feature_layer_ids=tuple(feature_layer_ids))
         self.feature_layer_ids = tuple(feature_layer_ids)
         seconds = self.runner.capture()
         self.captured_features = self.feature_layer_ids
@@ -67,6 +78,20 @@ class TreeVerifier:
         if features is None:
             return per_logits, [None] * len(sizes)
         return per_logits, [features[b, :n] for b, n in enumerate(sizes)]
+
+
+    @torch.inference_mode()
+    def prefill(self, attention: PagedAttention, tokens: torch.Tensor, positions: torch.Tensor,
+                logits_rows: torch.Tensor, feature_layer_ids: tuple[int, ...] = ()):
+        """One eager forward of packed prompt rows (`PagedAttention.for_prompts`, over this pool; tokens,
+        positions and logits_rows on the host); returns the model's logits of `logits_rows` and hidden states."""
+        if self.mirror is not None:
+            self.mirror.send("prefill", inputs=attention.inputs_cpu, packed_rows=attention.packed_rows_cpu,
+                             tokens=tokens, positions=positions, logits_rows=logits_rows,
+                             feature_layer_ids=tuple(feature_layer_ids))
+        device = self.pool.data.device
+        return self.model(tokens.to(device, non_blocking=True), positions.to(device, non_blocking=True), attention,
+                          logits_rows=logits_rows.to(device), hidden_layer_ids=feature_layer_ids)
 
 
 # KV pool of a CPU verifier (GPU pools are sized from free memory): enough for several long requests, small
@@ -113,6 +138,7 @@ def build_verifier(model: DecoderLM, max_batch: int, graphs: bool = False, kv_ca
                  "%.2f GiB free", verify_peak / 2**30, prefill_peak / 2**30, free / 2**30)
     else:
         num_blocks = -(-CPU_KV_CACHE_TOKENS // block_size)
+    num_blocks = agreed_blocks(num_blocks, model.device)  # tensor-parallel ranks: the same pool on each
     if num_blocks < 1:
         raise TreeserveError("no memory left for the KV cache: lower --max-batch or set --kv-cache-tokens")
     pool = PagedKVCache(cfg, num_blocks, block_size, model.dtype, model.device)

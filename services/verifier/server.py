@@ -24,6 +24,7 @@ from treeserve.v1 import generation_pb2, verifier_pb2, verifier_pb2_grpc
 from treeserve.verifier.drafter_link import DraftRound, DrafterLink
 from treeserve.verifier.engine import ForwardPlan, Generation, commit_round, forward_batch
 from treeserve.verifier.graphs import TreeVerifier, build_verifier
+from treeserve.verifier.tensor_parallel import RankLost
 from treeserve.wire import FINISH_REASONS, params_from_proto
 
 log = logging.getLogger("treeserve.verifier")
@@ -55,6 +56,9 @@ class Scheduler:
         # The target layers whose hidden states the drafters need, known once one has connected; every drafter
         # of a verifier must want the same ones.
         self.feature_layer_ids: tuple[int, ...] = ()
+        # Set when a tensor-parallel rank is gone: nothing runs again; `on_rank_lost(error)` takes the service down.
+        self.lost: RankLost | None = None
+        self.on_rank_lost = None
 
     async def connect(self, link: DrafterLink) -> bool:
         """Try to (re)connect a drafter; False unless it is up and wants the features the others want."""
@@ -82,7 +86,10 @@ class Scheduler:
 
     def submit(self, request_id: str, generation: Generation,
                span: trace.Span = trace.INVALID_SPAN) -> asyncio.Queue:
-        """Queue a request; one that could never fit the KV pool is refused (TreeserveError)."""
+        """Queue a request; one that could never fit the KV pool is refused (TreeserveError), and every request
+        once a tensor-parallel rank is gone (RankLost)."""
+        if self.lost is not None:
+            raise self.lost
         if generation.kv_tokens_needed > self.pool_tokens:
             raise TreeserveError(f"the request needs {generation.kv_tokens_needed} tokens of KV cache (prompt + "
                                  f"max_new_tokens + budget), and this verifier holds {self.pool_tokens}")
@@ -117,8 +124,23 @@ class Scheduler:
     def _load(self, link: DrafterLink) -> int:
         return sum(1 for entry in self.running.values() if entry.link is link)
 
+    def lose(self, error: RankLost) -> None:
+        """A tensor-parallel rank is gone: fail every request (UNAVAILABLE to its client) and stop scheduling."""
+        if self.lost is not None:
+            return
+        log.error("%s: failing every request and going down", error)
+        self.lost = error
+        for request_id in [*self.waiting, *self.running]:
+            entry = self.waiting.get(request_id) or self.running[request_id]
+            entry.outbox.put_nowait(error)
+            self.metrics.requests.labels(outcome="error").inc()
+            self.cancel(request_id)
+        self.wake.set()
+        if self.on_rank_lost is not None:
+            self.on_rank_lost(error)
+
     async def run(self) -> None:
-        while True:
+        while self.lost is None:
             if not self.waiting and not self.running:
                 self.wake.clear()
                 await self.wake.wait()
@@ -130,7 +152,14 @@ class Scheduler:
             self._update_gauges()
             try:
                 await self._round()
-            except Exception as error:  # a bug or device failure: fail this batch, keep serving the next
+            except RankLost as error:
+                self.lose(error)
+            except Exception as error:
+                if self.verifier.mirror is not None:  # the ranks may have parted ways mid-forward: no next round
+                    log.exception("round failed")
+                    self.lose(RankLost(f"a round failed on a tensor-parallel verifier ({error})"))
+                    continue
+                # A bug or device failure: fail this batch, keep serving the next.
                 log.exception("round failed")
                 for request_id in list(self.running):
                     self.running[request_id].outbox.put_nowait(error)
@@ -288,10 +317,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             outbox = self.scheduler.submit(request_id, generation, span)
         except TreeserveError as error:
             span.end()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            code = grpc.StatusCode.UNAVAILABLE if isinstance(error, RankLost) else grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(error))
         try:
             while True:
                 message = await outbox.get()
+                if isinstance(message, RankLost):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"verifier going down: {message}")
                 if isinstance(message, Exception):
                     await context.abort(grpc.StatusCode.INTERNAL, f"verification failed: {message}")
                 yield message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Iterable
 
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 
 from treeserve.errors import TreeserveError
 from treeserve.models import DecoderLM, ModelConfig
-from treeserve.parallel import Shard, sum_partial_outputs
+from treeserve.parallel import Shard, add_collectives
 
 
 def build_model(
@@ -24,14 +25,21 @@ def build_model(
     """Create the model without initialising it, then fill every parameter from `read(name)` (HF names).
     With `shard`, only this tensor-parallel rank's part of each layer (treeserve.parallel)."""
     if shard is not None:
+        vocab = cfg.vocab_size
         cfg = shard.config(cfg)
-        read = lambda name, whole=read: shard.slice(name, whole(name))  # noqa: E731
+        # A tied LM head's shard comes from the embedding's rows (the embedding itself stays whole).
+        head = {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_word_embeddings else {}
+        names = set(names) | set(head)
+        read = lambda name, whole=read: shard.slice(name, whole(head.get(name, name)))  # noqa: E731
     with torch.device("meta"):
-        model = DecoderLM(cfg)
+        model = DecoderLM(cfg if shard is None else dataclasses.replace(cfg, vocab_size=vocab))
+        if shard is not None:  # untied: this rank's rows of the head, a parameter of its own
+            model.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
     fill_parameters(model, names, read, source, dtype, device)
-    if shard is not None:
-        sum_partial_outputs(model)
-    model.tie_weights()
+    if shard is None:
+        model.tie_weights()
+    else:
+        add_collectives(model, shard.world)
     model.rope_inv_freq = cfg.rope_inv_freq().float().to(device)
     return model.eval().requires_grad_(False)
 

@@ -121,6 +121,9 @@ class PagedRunner:
         self.use_graphs = graphs
         self.graphs: dict[tuple[int, int], CapturedGraph] = {}
         self.memory_pool = None
+        # Called with (bucket, staged rows) before each forward runs (how rank 0 of a tensor-parallel target
+        # has the other ranks run the same forward).
+        self.on_execute = None
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -172,15 +175,23 @@ class PagedRunner:
         if any(sequence.cache is not self.pool for sequence in sequences):
             raise TreeserveError("a sequence from another KV pool")
         batch, rows = len(sequences), max(len(t) for t in tokens)
-        key = self.bucket(batch, rows) if self.use_graphs else None
-        if key is None:  # graphs off, or a batch beyond the captured maxima
-            staged = stage_trees(sequences, tokens, positions, masks, batch, rows, self.table_width,
-                                 pin=self.device.type == "cuda")
+        key = self.bucket(batch, rows) if self.use_graphs else None  # None: graphs off, or beyond the maxima
+        batch, rows = key or (batch, rows)
+        staged = stage_trees(sequences, tokens, positions, masks, batch, rows, self.table_width,
+                             pin=self.device.type == "cuda")
+        if self.on_execute is not None:
+            self.on_execute(key, staged)
+        return self.execute(key, staged)
+
+    @torch.inference_mode()
+    def execute(self, key: tuple[int, int] | None, staged: TreeRows) -> tuple[torch.Tensor | None, ...]:
+        """Run staged rows (host tensors): replay the graph of bucket `key`, or eagerly when `key` is None."""
+        batch = staged.paged.batch
+        rows = staged.tokens.shape[0] // batch
+        if key is None:
             outputs = self.forward(staged.to(self.device, non_blocking=True))
         else:
-            batch, rows = key
-            staged = stage_trees(sequences, tokens, positions, masks, batch, rows, self.table_width, pin=True)
-            self._load(self._static_view(batch, rows), staged)
+            self._load(self._static_view(*key), staged)
             captured = self.graphs[key]
             captured.graph.replay()
             outputs = captured.outputs

@@ -47,6 +47,17 @@ class PagedKVCache:
         self.data = torch.zeros(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                 dtype=dtype, device=device)
         self.allocator = BlockAllocator(num_blocks)
+        # When a list (rank 0 of a tensor-parallel target), every `move` is also recorded here, so the other
+        # ranks can repeat it on their shards of the pool.
+        self.recorded_moves: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def move(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy the keys and values of every layer at slots `source` to slots `target` (host tensors)."""
+        if self.recorded_moves is not None:
+            self.recorded_moves.append((source, target))
+        flat = self.data.flatten(2, 3)  # (2, layers, slots, kv_heads, head_dim)
+        device = flat.device
+        flat[:, :, target.to(device)] = flat[:, :, source.to(device)]  # indexing copies first: overlaps are safe
 
     @staticmethod
     def blocks_that_fit(cfg: ModelConfig, block_size: int, dtype: torch.dtype, free_bytes: int,
@@ -88,10 +99,8 @@ class PagedSequence:
         """Commit the pending rows at these indices (ascending) and free the blocks past the new end."""
         count = len(pending_rows)
         if pending_rows != list(range(count)):
-            flat = self.cache.data.flatten(2, 3)  # (2, layers, slots, kv_heads, head_dim)
-            source = self.slots(self.length, max(pending_rows) + 1)[pending_rows].to(flat.device)
-            target = self.slots(self.length, count).to(flat.device)
-            flat[:, :, target] = flat[:, :, source]  # advanced indexing copies first: overlaps are safe
+            self.cache.move(self.slots(self.length, max(pending_rows) + 1)[pending_rows],
+                            self.slots(self.length, count))
         self.length += count
         self._trim()
 
@@ -176,15 +185,25 @@ class PagedAttention:
         """Packed rows: `counts[b]` new causal rows of sequence b, after its committed prefix (reserved here)."""
         if len(sequences) != len(counts) or not sequences:
             raise TreeserveError(f"paged attention: {len(sequences)} sequences but {len(counts)} row counts")
-        cache = sequences[0].cache
-        device = cache.data.device
         prefix_lens = torch.tensor([sequence.length for sequence in sequences], dtype=torch.int32)
         slots = torch.cat([sequence.reserve(n) for sequence, n in zip(sequences, counts)])
         inputs = PagedInputs(slots, block_table(sequences), prefix_lens, torch.tensor(counts, dtype=torch.int32),
-                             None).to(device)
+                             None)
         batch_index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
         row_index = torch.cat([torch.arange(n) for n in counts])
-        return cls(cache, inputs, kernels, (batch_index.to(device), row_index.to(device), max(counts)))
+        return cls.on_device(sequences[0].cache, inputs, kernels, (batch_index, row_index, max(counts)))
+
+    @classmethod
+    def on_device(cls, cache: PagedKVCache, inputs: PagedInputs, kernels: bool,
+                  packed_rows: tuple[torch.Tensor, torch.Tensor, int] | None) -> "PagedAttention":
+        """From host tensors, which are kept (`inputs_cpu`, `packed_rows_cpu`: what another rank needs to run
+        the same forward)."""
+        device = cache.data.device
+        device_rows = None if packed_rows is None else (packed_rows[0].to(device), packed_rows[1].to(device),
+                                                        packed_rows[2])
+        attention = cls(cache, inputs.to(device), kernels, device_rows)
+        attention.inputs_cpu, attention.packed_rows_cpu = inputs, packed_rows
+        return attention
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         keys, values = self.cache.layer(layer)

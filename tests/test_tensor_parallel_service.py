@@ -1,0 +1,79 @@
+"""The three services with a verifier on two gloo ranks (--tp 2, CPU): the tokens of one rank, and a rank that
+dies takes the verifier down cleanly (its streams closed with UNAVAILABLE, the process gone, no hang)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+
+import tiny_models
+from test_services import PROMPTS, SERVING, Services, expected, health, request, run_all, wait_for
+from treeserve.loading import load_target
+from treeserve.v1 import gateway_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+
+def follower_pids(parent: int) -> list[int]:
+    """Processes `parent` started as tensor-parallel ranks (multiprocessing's spawned children)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return str(tiny_models.write_hf_folder("qwen3", tmp_path_factory.mktemp("model"), seed=0))
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory, model_path):
+    services = Services(tmp_path_factory.mktemp("run"), model_path)
+    services.start_drafter()
+    services.start_verifier("--tp", "2")
+    wait_for(lambda: health(services.verifier) == SERVING, timeout_s=120, what="the verifier on two ranks")
+    services.start_gateway(services.verifier)
+    wait_for(lambda: health(services.gateway) == SERVING, what="the gateway")
+    yield services
+    services.stack.stop(grace_s=1)
+
+
+def test_two_ranks_stream_the_tokens_of_one(services, model_path):
+    target = load_target(model_path)
+    results = run_all(services.gateway, [request(p, 30) for p in PROMPTS])
+    for prompt, (tokens, _) in zip(PROMPTS, results):
+        assert tokens == expected(target, prompt, 30)
+
+
+def test_a_dead_rank_takes_the_verifier_down_cleanly(services):
+    verifier = services.process("verifier")
+    followers = follower_pids(verifier.pid)
+    assert len(followers) == 1
+
+    async def stream_while_the_rank_dies():
+        async with grpc.aio.insecure_channel(services.gateway) as channel:
+            # Speculation off: one token per round, so the stream is still running when the rank dies.
+            stream = gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request(PROMPTS[0], 200, disabled=True))
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                async for reply in stream:
+                    if followers:
+                        os.kill(followers.pop(), signal.SIGKILL)
+            return failed.value.code()
+
+    assert asyncio.run(stream_while_the_rank_dies()) == grpc.StatusCode.UNAVAILABLE
+    assert verifier.wait(timeout=60) != 0  # gone, not hanging
