@@ -1,5 +1,6 @@
-"""The three services with a verifier on two gloo ranks (--tp 2, CPU): the tokens of one rank, and a rank that
-dies takes the verifier down cleanly (its streams closed with UNAVAILABLE, the process gone, no hang)."""
+"""The three services with a verifier on two gloo ranks (--tp 2, CPU): the tokens of one rank; a rank that dies
+takes the verifier down cleanly (its streams closed with UNAVAILABLE, the process gone, no hang); SIGTERM stops
+every rank."""
 
 from __future__ import annotations
 
@@ -77,3 +78,20 @@ def test_a_dead_rank_takes_the_verifier_down_cleanly(services):
 
     assert asyncio.run(stream_while_the_rank_dies()) == grpc.StatusCode.UNAVAILABLE
     assert verifier.wait(timeout=60) != 0  # gone, not hanging
+
+
+def test_sigterm_stops_every_rank(services):
+    verifier = services.process("verifier")
+    if verifier.poll() is None:  # the previous test normally took it down already
+        verifier.kill()
+        verifier.wait(30)
+    services.start_verifier("--tp", "2")
+    wait_for(lambda: health(services.verifier) == SERVING, timeout_s=120, what="a new verifier on two ranks")
+    verifier = services.process("verifier")
+    followers = follower_pids(verifier.pid)
+    assert len(followers) == 1
+    verifier.send_signal(signal.SIGTERM)
+    assert verifier.wait(timeout=60) == 0
+    wait_for(lambda: not Path(f"/proc/{followers[0]}").exists() or
+             Path(f"/proc/{followers[0]}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z",
+             timeout_s=30, what="the follower rank to exit")

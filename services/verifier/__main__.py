@@ -98,7 +98,7 @@ async def serve(args, shard=None, followers=()) -> None:
     scheduler = servicer.attach(target, verifier)
     # A lost tensor-parallel rank: the scheduler has failed every stream; stop as on SIGTERM.
     scheduler.on_rank_lost = lambda error: os.kill(os.getpid(), signal.SIGTERM)
-    watch_followers(followers, scheduler)
+    watch_followers(followers, scheduler, mirror)
     for link in links:
         await scheduler.connect(link)
     if verifier.use_graphs:  # after the drafters: the graphs compute the features they asked for
@@ -124,8 +124,8 @@ async def serve(args, shard=None, followers=()) -> None:
     await serving.run_until_signalled(service, args.grace_s, stop)
 
 
-def watch_followers(followers, scheduler) -> None:
-    """Fail the service (scheduler.lose) as soon as a follower rank process exits."""
+def watch_followers(followers, scheduler, mirror) -> None:
+    """Fail the service (scheduler.lose) as soon as a follower rank process exits, unless rank 0 told it to."""
     if not followers:
         return
     import multiprocessing.connection
@@ -139,8 +139,13 @@ def watch_followers(followers, scheduler) -> None:
         gone = multiprocessing.connection.wait([process.sentinel for process in followers])
         process = next(p for p in followers if p.sentinel in gone)
         process.join(1)
-        loop.call_soon_threadsafe(scheduler.lose, RankLost(f"tensor-parallel {process.name} exited "
-                                                           f"(code {process.exitcode})"))
+        if mirror.closed:  # stopping: the followers were told to go
+            return
+        try:
+            loop.call_soon_threadsafe(scheduler.lose, RankLost(f"tensor-parallel {process.name} exited "
+                                                               f"(code {process.exitcode})"))
+        except RuntimeError:  # the event loop has closed: the service is gone already
+            pass
 
     threading.Thread(target=wait, name="treeserve-rank-watch", daemon=True).start()
 

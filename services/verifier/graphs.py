@@ -79,7 +79,6 @@ class TreeVerifier:
             return per_logits, [None] * len(sizes)
         return per_logits, [features[b, :n] for b, n in enumerate(sizes)]
 
-
     @torch.inference_mode()
     def prefill(self, attention: PagedAttention, tokens: torch.Tensor, positions: torch.Tensor,
                 logits_rows: torch.Tensor, feature_layer_ids: tuple[int, ...] = ()):

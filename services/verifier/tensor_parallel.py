@@ -34,6 +34,7 @@ class Mirror:
     def __init__(self, group):
         self.group = group
         self.pool = None
+        self.closed = False
 
     def attach(self, verifier) -> None:
         """Record the verifier's KV moves from now on, and have it send every step it runs first."""
@@ -50,6 +51,7 @@ class Mirror:
 
     def close(self) -> None:
         """Tell the followers to stop (nothing to tell when one is already gone)."""
+        self.closed = True
         try:
             self.send("stop")
         except RankLost:
