@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
                                              "--json prints the same object as generate --json.")
     add_client_arguments(client)
 
+    from treeserve.gateway.bench import add_bench_arguments
+
+    bench = commands.add_parser("bench", help="measure a running gateway at several concurrencies",
+                                description="Load a treeserve gateway with fixed prompt sets at each concurrency, "
+                                            "speculative and plain side by side; JSON results and a PNG plot.")
+    add_bench_arguments(bench)
+
     up = commands.add_parser("up", help="run gateway, verifier and drafter on Unix sockets",
                              description="Start the three services on this machine (Unix sockets in a runtime "
                                          "folder), wait until they serve, print the gateway address; Ctrl-C stops all.")
@@ -90,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     up.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     up.add_argument("--tp", type=int, default=1, help="the verifier's tensor-parallel ranks (default 1)")
+    up.add_argument("--speculation", choices=("fixed", "adaptive"), default="fixed",
+                    help="the verifier's: fixed (every request drafts its budget) or adaptive (each round's budget "
+                         "chosen for tokens per second, 0 = plain decoding); default fixed")
+    up.add_argument("--verifier-metrics", metavar="HOST:PORT",
+                    help="serve the verifier's Prometheus metrics here (what treeserve bench reads round times from)")
     up.add_argument("--runtime-dir", help="folder for sockets and logs (default: a new temporary folder)")
     up.add_argument("--start-timeout-s", type=float, default=600, help="how long to wait for the services")
     up.add_argument("--grace-s", type=float, default=10, help="drain period on stop (default 10)")
@@ -342,10 +354,17 @@ def run_make_prompts(args) -> int:
     return run(args)
 
 
+def run_bench(args) -> int:
+    from treeserve.gateway.bench import main_bench
+
+    return main_bench(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[2:] if argv is None else list(argv[1:])  # the command's own flags, for reports
     commands = {"generate": run_generate, "client": run_client, "up": run_up_command, "health": run_health,
-                "train-drafter": run_train_drafter, "make-prompts": run_make_prompts}
+                "train-drafter": run_train_drafter, "make-prompts": run_make_prompts, "bench": run_bench}
     try:
         return commands[args.command](args)
     except TreeserveError as error:

@@ -100,7 +100,10 @@ def run_up(args) -> int:
         signal.signal(sig, lambda *_: stopping.append(True))
     try:
         verifier_args = ["--target", args.target, "--device", args.device, "--dtype", args.dtype,
-                         "--default-budget", str(args.budget), "--grace-s", str(args.grace_s), "--tp", str(args.tp)]
+                         "--default-budget", str(args.budget), "--grace-s", str(args.grace_s), "--tp", str(args.tp),
+                         "--speculation", args.speculation]
+        if args.verifier_metrics:
+            verifier_args += ["--metrics-listen", args.verifier_metrics]
         if args.drafter != "none":
             drafter_args = ["--kind", args.drafter, "--grace-s", str(args.grace_s), "--tree", args.tree,
                             "--target", args.target, "--device", args.device, "--dtype", args.dtype]

@@ -141,6 +141,9 @@ class VerifierMetrics:
         self.waiting = Gauge("treeserve_verifier_waiting_requests", "Requests waiting for a batch slot",
                              registry=r)
         self.kv_slots = Gauge("treeserve_verifier_kv_slots", "KV cache token slots held by requests", registry=r)
+        self.round_budget = Gauge("treeserve_verifier_round_budget",
+                                  "The tree budget adaptive speculation chose for the last round (0: plain)",
+                                  registry=r)
 
     def record_round(self, drafted: int, accepted: int) -> None:
         """One request's verified tree: `drafted` nodes, of which the `accepted` deepest path kept."""
@@ -179,3 +182,25 @@ class GatewayMetrics:
                                              registry=r)
         self.request_seconds = Histogram("treeserve_gateway_request_seconds", "From request to its final message",
                                          buckets=LATENCY_BUCKETS, registry=r)
+
+
+def round_phase_totals(metrics_address: str) -> dict[str, tuple[float, float]]:
+    """(seconds, rounds) so far of each round phase, from a verifier's Prometheus histogram
+    `treeserve_round_seconds` served at http://metrics_address/metrics."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5).read().decode()
+    sums = dict(re.findall(r'treeserve_round_seconds_sum{phase="(\w+)"} (\S+)', text))
+    counts = dict(re.findall(r'treeserve_round_seconds_count{phase="(\w+)"} (\S+)', text))
+    return {phase: (float(sums[phase]), float(counts[phase])) for phase in sums}
+
+
+def round_phase_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean milliseconds per round of each phase between two `round_phase_totals`."""
+    means = {}
+    for phase, (seconds, count) in after.items():
+        seconds0, count0 = before.get(phase, (0.0, 0.0))
+        if count > count0:
+            means[phase] = round((seconds - seconds0) / (count - count0) * 1000, 3)
+    return means

@@ -39,6 +39,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default=env("cuda_graphs", "auto"),
                    help="replay tree verification from CUDA graphs captured at start-up (auto: with --device "
                         "cuda and --tp 1); off is for debugging")
+    p.add_argument("--speculation", choices=("fixed", "adaptive"), default=env("speculation", "fixed"),
+                   help="fixed: every request drafts its own budget each round (default); adaptive: each round's "
+                        "budget (0 = plain decoding) is chosen for tokens per second from measured verification "
+                        "costs and each request's acceptance")
+    p.add_argument("--adaptive-min-budget", type=int, default=env("adaptive_min_budget", "0"),
+                   help="adaptive: the smallest round budget (default 0: plain decoding allowed)")
+    p.add_argument("--adaptive-max-budget", type=int, default=env("adaptive_max_budget", str(MAX_BUDGET)),
+                   help="adaptive: the largest round budget (a request's own budget caps it too)")
     p.add_argument("--tp", type=int, default=env("tp", "1"),
                    help="tensor-parallel ranks (default 1): this process is rank 0 and starts the others on this "
                         "host (one GPU each), unless a launcher such as torchrun set RANK and WORLD_SIZE")
@@ -60,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--kv-cache-tokens must be 0 (sized from memory) or positive")
     if args.cuda_graphs == "on" and args.device != "cuda":
         p.error("--cuda-graphs on needs --device cuda")
+    if not 0 <= args.adaptive_min_budget <= args.adaptive_max_budget <= MAX_BUDGET:
+        p.error(f"--adaptive-min-budget and --adaptive-max-budget must satisfy 0 <= min <= max <= {MAX_BUDGET}")
     if args.tp < 1:
         p.error("--tp must be at least 1")
     if args.tp > 1 and args.cuda_graphs == "on":
@@ -76,6 +86,7 @@ async def serve(args, shard=None, followers=()) -> None:
     from treeserve.loading import load_target
     from treeserve.verifier.drafter_link import DrafterLink, expand_drafter_addresses
     from treeserve.models.graphs import graphs_wanted
+    from treeserve.verifier.adaptive import AdaptiveSpeculation
     from treeserve.verifier.server import VerifierServicer
     from treeserve.verifier.tensor_parallel import Mirror, build_mirrored_verifier
 
@@ -95,7 +106,10 @@ async def serve(args, shard=None, followers=()) -> None:
     except BaseException:
         await serving.abandon(service)
         raise
-    scheduler = servicer.attach(target, verifier)
+    adaptive = None
+    if args.speculation == "adaptive":
+        adaptive = AdaptiveSpeculation(args.adaptive_min_budget, args.adaptive_max_budget)
+    scheduler = servicer.attach(target, verifier, adaptive)
     # A lost tensor-parallel rank: the scheduler has failed every stream; stop as on SIGTERM.
     scheduler.on_rank_lost = lambda error: os.kill(os.getpid(), signal.SIGTERM)
     watch_followers(followers, scheduler, mirror)
@@ -103,6 +117,9 @@ async def serve(args, shard=None, followers=()) -> None:
         await scheduler.connect(link)
     if verifier.use_graphs:  # after the drafters: the graphs compute the features they asked for
         await asyncio.to_thread(verifier.capture, scheduler.feature_layer_ids)
+        if adaptive is not None and verifier.mirror is None:  # every bucket's cost known from the start
+            for (batch, rows), seconds in (await asyncio.to_thread(verifier.runner.time_graphs)).items():
+                adaptive.observe_verify(batch, rows, seconds)
     scheduler_task = asyncio.ensure_future(scheduler.run())
     await service.set_serving(True)
     log.info("verifier ready: %s on %s, drafters: %s", args.target, args.device,

@@ -94,9 +94,11 @@ class DrafterLink:
         if self.sent.pop(request_id, None) is not None:
             self.to_drop.add(request_id)
 
-    async def draft(self, requests: dict, trace_contexts: dict[str, dict[str, str]]) -> DraftRound:
+    async def draft(self, requests: dict, trace_contexts: dict[str, dict[str, str]],
+                    budgets: dict[str, int] | None = None) -> DraftRound:
         """requests: request id -> its Generation (committed tokens and budget); trace_contexts: request id ->
-        W3C headers of its round span (empty when tracing is off). Only tokens this stream has not seen travel.
+        W3C headers of its round span (empty when tracing is off); budgets: this round's tree budget per request
+        (default: each request's own). Only tokens this stream has not seen travel.
         Returns the trees the drafter proposed; none when the link is down or fails this round (those requests
         then decode plainly)."""
         if not self.up:
@@ -109,7 +111,8 @@ class DrafterLink:
         for request_id, generation in requests.items():
             sent = self.sent.get(request_id, 0)
             item = message.items.add(request_id=request_id, new_token_ids=generation.committed_since(sent),
-                                     budget=min(generation.budget, self.max_budget),
+                                     budget=min((budgets or {}).get(request_id, generation.budget),
+                                                self.max_budget),
                                      trace_context=trace_contexts.get(request_id, {}))
             if self.feature_layer_ids:  # the rows of every token that entered the KV cache since the last item
                 item.features.CopyFrom(features_to_proto(generation.features_since(max(sent - 1, 0))))

@@ -21,6 +21,7 @@ from treeserve.loading import LoadedModel
 from treeserve.telemetry import Tracing, VerifierMetrics
 from treeserve.tree import MAX_BUDGET
 from treeserve.v1 import generation_pb2, verifier_pb2, verifier_pb2_grpc
+from treeserve.verifier.adaptive import AdaptiveSpeculation
 from treeserve.verifier.drafter_link import DraftRound, DrafterLink
 from treeserve.verifier.engine import ForwardPlan, Generation, commit_round, forward_batch
 from treeserve.verifier.graphs import TreeVerifier, build_verifier
@@ -43,8 +44,12 @@ class Scheduler:
     what the pool has not promised to the running ones, so a round never runs out of blocks."""
 
     def __init__(self, target: LoadedModel, verifier: TreeVerifier, links: list[DrafterLink], max_batch: int,
-                 tracing: Tracing | None = None, metrics: VerifierMetrics | None = None):
+                 tracing: Tracing | None = None, metrics: VerifierMetrics | None = None,
+                 adaptive: AdaptiveSpeculation | None = None):
         self.target, self.verifier, self.links, self.max_batch = target, verifier, links, max_batch
+        # With `adaptive`, each round's tree budget is chosen for tokens per second (0: plain, no drafter call);
+        # without, every request drafts its own budget.
+        self.adaptive = adaptive
         self.tracing = tracing or Tracing.off()
         self.metrics = metrics or VerifierMetrics()
         self.waiting: dict[str, Running] = {}
@@ -112,6 +117,8 @@ class Scheduler:
                 entry.generation.release()
             if entry.link is not None:
                 entry.link.forget(request_id)
+            if self.adaptive is not None:
+                self.adaptive.forget(request_id)
         self._update_gauges()
         return entry is not None
 
@@ -173,21 +180,31 @@ class Scheduler:
                 healthy = [link for link in self.links if link.up]  # move to a drafter that works
                 if healthy:
                     entry.link = min(healthy, key=self._load)
+        speculating = {request_id: entry for request_id, entry in self.running.items()
+                       if entry.link is not None and entry.link.up and entry.generation.prefilled
+                       and self.can_draft(entry, entry.link)}
+        budgets = {request_id: entry.generation.budget for request_id, entry in speculating.items()}
+        if self.adaptive is not None:
+            chosen = self.adaptive.choose(budgets, len(self.running))
+            self.metrics.round_budget.set(chosen)
+            budgets = {request_id: min(chosen, own) for request_id, own in budgets.items() if chosen > 0}
         by_link: dict[DrafterLink, dict[str, Generation]] = {}
-        for request_id, entry in self.running.items():
-            link = entry.link
-            if link is not None and link.up and entry.generation.prefilled and self.can_draft(entry, link):
-                by_link.setdefault(link, {})[request_id] = entry.generation
+        for request_id in budgets:
+            entry = speculating[request_id]
+            by_link.setdefault(entry.link, {})[request_id] = entry.generation
         trace_contexts = {request_id: self.tracing.carrier(span) for request_id, span in spans.items()}
         trees = {}
         rounds: list[DraftRound] = await asyncio.gather(
-            *(link.draft(requests, trace_contexts) for link, requests in by_link.items()))
+            *(link.draft(requests, trace_contexts, budgets) for link, requests in by_link.items()))
         for found in rounds:
             trees.update(found.trees)
             if found.trees:
                 self.metrics.round_seconds.labels(phase="draft").observe(found.propose_s)
                 self.metrics.round_seconds.labels(phase="transport").observe(
                     max(0.0, found.round_trip_s - found.propose_s))
+        if self.adaptive is not None and budgets and any(found.trees for found in rounds):
+            self.adaptive.observe_draft(len(self.running), max(budgets.values()),
+                                        max(found.round_trip_s for found in rounds))
         return trees
 
     def _start_spans(self) -> dict[str, trace.Span]:
@@ -225,6 +242,9 @@ class Scheduler:
         try:  # always the same feature layers: the CUDA graphs were captured computing them
             logits, features = await asyncio.to_thread(forward_batch, self.target.model, list(plans.values()),
                                                        self.feature_layer_ids, self.verifier)
+            if self.adaptive is not None and all(plan.tree is not None for plan in plans.values()):  # no prefill
+                self.adaptive.observe_verify(len(plans), max(plan.tree.size for plan in plans.values()),
+                                             time.perf_counter() - started)
         finally:
             self.round_in_flight = False
             for generation in self.release_after_round:
@@ -241,8 +261,12 @@ class Scheduler:
             self.metrics.generated_tokens.inc(len(committed))
             if plan.tree is not None:
                 self.metrics.record_round(plan.tree.size - 1, generation.last_accepted)
+                if self.adaptive is not None:
+                    self.adaptive.observe_acceptance(request_id, plan.tree.size - 1, len(committed))
             if request_id in spans:
                 spans[request_id].set_attributes(round_attributes(plan, generation, committed, len(plans)))
+                if self.adaptive is not None:
+                    spans[request_id].set_attribute("treeserve.round_budget", self.adaptive.last_choice)
             entry.outbox.put_nowait(verifier_pb2.VerifierServiceGenerateResponse(token_ids=committed))
             if generation.finished:
                 entry.outbox.put_nowait(final_message(generation))
@@ -284,11 +308,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         verifier_pb2_grpc.add_VerifierServiceServicer_to_server(self, server)
         return [verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name]
 
-    def attach(self, target: LoadedModel, verifier: TreeVerifier | None = None) -> Scheduler:
-        """Start scheduling on a loaded target; `verifier` defaults to an eager one with a default-sized pool."""
+    def attach(self, target: LoadedModel, verifier: TreeVerifier | None = None,
+               adaptive: AdaptiveSpeculation | None = None) -> Scheduler:
+        """Start scheduling on a loaded target; `verifier` defaults to an eager one with a default-sized pool;
+        `adaptive`: choose each round's budget (else every request drafts its own)."""
         self.target = target
         verifier = verifier or build_verifier(target.model, self.max_batch)
-        self.scheduler = Scheduler(target, verifier, self.links, self.max_batch, self.tracing, self.metrics)
+        self.scheduler = Scheduler(target, verifier, self.links, self.max_batch, self.tracing, self.metrics,
+                                   adaptive)
         return self.scheduler
 
     async def Generate(self, request, context):

@@ -22,6 +22,7 @@ from treeserve.errors import TreeserveError
 from treeserve.launcher import Stack
 from treeserve.params import GenerationParams
 from treeserve.serving import free_port
+from treeserve.telemetry import round_phase_means, round_phase_totals
 
 DRAFTER_CONFIGS = {"ngram": ("ngram", "ddtree"), "dflash-chain": ("dflash", "chain"),
                    "dflash-ddtree": ("dflash", "ddtree")}
@@ -40,27 +41,6 @@ async def run_requests(gateway: str, prompts: list[dict], params: GenerationPara
         rounds += result["rounds"]
     return {"outputs": outputs, "tokens": tokens, "elapsed_s": round(elapsed, 3),
             "tokens_per_s": round(tokens / elapsed, 2), "tokens_per_round": round(tokens / max(1, rounds), 3)}
-
-
-def phase_totals(metrics_address: str) -> dict[str, tuple[float, float]]:
-    """(seconds, rounds) so far of each round phase, from the verifier's Prometheus histogram."""
-    import re
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5).read().decode()
-    sums = dict(re.findall(r'treeserve_round_seconds_sum{phase="(\w+)"} (\S+)', text))
-    counts = dict(re.findall(r'treeserve_round_seconds_count{phase="(\w+)"} (\S+)', text))
-    return {phase: (float(sums[phase]), float(counts[phase])) for phase in sums}
-
-
-def phase_means(before: dict, after: dict) -> dict[str, float]:
-    """Mean milliseconds per round of each phase between two `phase_totals`."""
-    means = {}
-    for phase, (seconds, count) in after.items():
-        seconds0, count0 = before.get(phase, (0.0, 0.0))
-        if count > count0:
-            means[phase] = round((seconds - seconds0) / (count - count0) * 1000, 3)
-    return means
 
 
 def start_stack(runtime: Path, args, kind: str, tree: str, graphs: str, metrics_address: str
@@ -134,15 +114,15 @@ def main(argv=None) -> int:
                         # Untimed: the first requests of a fresh stack compile kernels and pick GEMM algorithms.
                         asyncio.run(run_requests(gateway, prompts[:1], GenerationParams(max_new_tokens=16), True))
                         asyncio.run(run_requests(gateway, prompts[:1], GenerationParams(max_new_tokens=16), False))
-                        before = phase_totals(metrics_address)
+                        before = round_phase_totals(metrics_address)
                         if plain is None:
                             plain = asyncio.run(run_requests(gateway, prompts, params, speculate=False))
-                            after = phase_totals(metrics_address)
-                            plain["round_ms"] = phase_means(before, after)
+                            after = round_phase_totals(metrics_address)
+                            plain["round_ms"] = round_phase_means(before, after)
                             record({"graphs": graphs, "drafter": "none"} | without_outputs(plain))
                             before = after
                         found = asyncio.run(run_requests(gateway, prompts, params, speculate=True))
-                        found["round_ms"] = phase_means(before, phase_totals(metrics_address))
+                        found["round_ms"] = round_phase_means(before, round_phase_totals(metrics_address))
                     finally:
                         stack.stop(5)
                 same = sum(a == b for a, b in zip(found["outputs"], plain["outputs"]))

@@ -162,6 +162,21 @@ class PagedRunner:
         torch.cuda.synchronize()
         return time.perf_counter() - started
 
+    def time_graphs(self, repeats: int = 3) -> dict[tuple[int, int], float]:
+        """Median seconds of one replay of each captured graph (on its padding inputs: nothing is written)."""
+        times = {}
+        for key, captured in self.graphs.items():
+            samples = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                captured.graph.replay()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1000)
+            times[key] = sorted(samples)[len(samples) // 2]
+        return times
+
     def bucket(self, batch: int, rows: int) -> tuple[int, int] | None:
         """The smallest captured (batch, rows) bucket that holds these sizes; None when none does."""
         fitting = [key for key in self.graphs if key[0] >= batch and key[1] >= rows]

@@ -1,0 +1,288 @@
+"""treeserve bench: load a running gateway at several concurrencies, speculative and plain side by side.
+
+For each concurrency C (and each tree budget), N requests go through the gateway with at most C in flight (a
+closed loop: a new request starts when one ends), first with speculation on, then with it off on the same
+stack, so every ratio is measured in one run. Per run: output tokens per second (over the run's wall time, and
+the mean of each request's own rate), time to the first token and inter-token latency (p50/p99), the mean
+tokens per verification round, the verifier's mean round time by phase (with --verifier-metrics), and errors
+by gRPC status. The JSON goes to --out, and a PNG plot beside it (tokens per second against concurrency; tokens
+per round against budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from treeserve.errors import TreeserveError
+from treeserve.params import GenerationParams
+from treeserve.serving import normalize_address
+from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
+from treeserve.wire import params_to_proto
+
+WORKLOADS = {"code": Path("docs/prompts/held-out-code.jsonl"), "chat": Path("docs/prompts/held-out-chat.jsonl")}
+
+
+@dataclasses.dataclass
+class RequestResult:
+    tokens: int = 0
+    first_token_s: float | None = None
+    elapsed_s: float = 0.0
+    token_gaps_s: list[float] = dataclasses.field(default_factory=list)  # per token, between stream messages
+    rounds: int = 0
+    round_tokens: int = 0
+    error: str | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+async def one_request(stub, request: gateway_pb2.GenerateRequest, timeout_s: float) -> RequestResult:
+    result = RequestResult()
+    started = last = time.perf_counter()
+    try:
+        async for reply in stub.Generate(request, timeout=timeout_s):
+            now = time.perf_counter()
+            if reply.token_ids:
+                if result.first_token_s is None:
+                    result.first_token_s = now - started
+                else:  # a message of k tokens: each of them waited (now - last) / k
+                    result.token_gaps_s += [(now - last) / len(reply.token_ids)] * len(reply.token_ids)
+                result.tokens += len(reply.token_ids)
+                result.token_ids += reply.token_ids
+                last = now
+            if reply.finish_reason:
+                result.rounds, result.round_tokens = reply.stats.rounds, reply.stats.round_tokens
+    except grpc.aio.AioRpcError as error:
+        result.error = error.code().name
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+def percentile(values: list[float], fraction: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
+def summarize(results: list[RequestResult], wall_s: float) -> dict:
+    done = [r for r in results if r.error is None]
+    tokens = sum(r.tokens for r in done)
+    errors: dict[str, int] = {}
+    for r in results:
+        if r.error is not None:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    first = [r.first_token_s * 1000 for r in done if r.first_token_s is not None]
+    gaps = [gap * 1000 for r in done for gap in r.token_gaps_s]
+    rounds = sum(r.rounds for r in done)
+    ms = lambda value: None if value is None else round(value, 3)  # noqa: E731
+    return {
+        "requests": len(results), "completed": len(done), "errors": errors, "output_tokens": tokens,
+        "wall_s": round(wall_s, 3), "tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else 0.0,
+        "per_request_tokens_per_s": round(statistics.mean(r.tokens / r.elapsed_s for r in done), 2) if done else 0.0,
+        "ttft_ms": {"p50": ms(percentile(first, 0.5)), "p99": ms(percentile(first, 0.99))},
+        "itl_ms": {"p50": ms(percentile(gaps, 0.5)), "p99": ms(percentile(gaps, 0.99))},
+        "tokens_per_round": round(sum(r.round_tokens for r in done) / rounds, 3) if rounds else None,
+    }
+
+
+class Progress:
+    """One line on stderr, rewritten as requests finish."""
+
+    def __init__(self, label: str, total: int, enabled: bool):
+        self.label, self.total, self.enabled = label, total, enabled
+        self.done = self.tokens = 0
+        self.started = time.perf_counter()
+
+    def advance(self, result: RequestResult) -> None:
+        self.done += 1
+        self.tokens += result.tokens
+        if self.enabled:
+            rate = self.tokens / max(1e-9, time.perf_counter() - self.started)
+            bar = "#" * (20 * self.done // self.total)
+            print(f"\r{self.label:28s} [{bar:20s}] {self.done}/{self.total} requests, {rate:8.1f} tok/s",
+                  end="" if self.done < self.total else "\n", file=sys.stderr, flush=True)
+
+
+async def run_level(address: str, requests: list[gateway_pb2.GenerateRequest], concurrency: int,
+                    timeout_s: float, progress: Progress) -> tuple[list[RequestResult], float]:
+    """Every request, at most `concurrency` in flight; returns the results (in request order) and the wall time."""
+    async with grpc.aio.insecure_channel(normalize_address(address)) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        queue = list(enumerate(requests))
+        results: list[RequestResult | None] = [None] * len(requests)
+
+        async def worker():
+            while queue:
+                index, request = queue.pop(0)
+                results[index] = await one_request(stub, request, timeout_s)
+                progress.advance(results[index])
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)))))
+        return results, time.perf_counter() - started
+
+
+def build_requests(prompts: list[dict], count: int, params: GenerationParams, speculate: bool,
+                   budget: int) -> list[gateway_pb2.GenerateRequest]:
+    """`count` requests over the prompts in order (repeating them when count is larger); request i samples with
+    seed i, so a speculative and a plain run draw the same random numbers."""
+    requests = []
+    for i in range(count):
+        prompt = prompts[i % len(prompts)]
+        sampling, stop = params_to_proto(dataclasses.replace(params, seed=i if params.temperature > 0 else None))
+        requests.append(gateway_pb2.GenerateRequest(
+            prompt=prompt["prompt"], chat=bool(prompt.get("chat")), sampling=sampling, stop=stop,
+            speculation=generation_pb2.SpeculationParams(disabled=not speculate, budget=budget if speculate else 0)))
+    return requests
+
+
+async def model_info(address: str) -> dict:
+    async with grpc.aio.insecure_channel(normalize_address(address)) as channel:
+        try:
+            info = await gateway_pb2_grpc.GatewayServiceStub(channel).GetModelInfo(
+                gateway_pb2.GetModelInfoRequest(), timeout=10)
+        except grpc.aio.AioRpcError as error:
+            raise TreeserveError(f"the gateway at {address} does not answer ({error.code().name}: "
+                                 f"{error.details()})") from None
+    return {"model": info.model, "max_context": info.max_context, "max_budget": info.max_budget}
+
+
+def run_bench(args) -> dict:
+    from treeserve.drafter.corpus import read_prompts
+    from treeserve.telemetry import round_phase_means, round_phase_totals
+
+    path = Path(args.prompts) if args.prompts else WORKLOADS[args.workload]
+    if not args.prompts and not path.is_file():
+        raise TreeserveError(f"workload {args.workload}: {path} not found (run from the repository root, or give "
+                             f"--prompts FILE)")
+    prompts = read_prompts(path)
+    info = asyncio.run(model_info(args.address))
+    if any(b > info["max_budget"] for b in args.budgets):
+        raise TreeserveError(f"--budgets: the gateway allows at most {info['max_budget']}")
+    params = GenerationParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              ignore_eos=args.ignore_eos)
+    params.validate()
+    report = {"command": "treeserve bench " + shlex.join(args.argv), "gateway": info, "prompts": str(path),
+              "workload": args.workload if not args.prompts else None, "max_new_tokens": args.max_new_tokens,
+              "temperature": args.temperature, "runs": []}
+    modes = [("plain", 0)] + [("speculative", budget) for budget in args.budgets]
+    for concurrency in args.concurrency:
+        plain_outputs = None
+        for mode, budget in modes:
+            requests = build_requests(prompts, args.requests, params, mode == "speculative", budget)
+            label = f"{mode}{f' budget {budget}' if budget else ''} x{concurrency}"
+            before = round_phase_totals(args.verifier_metrics) if args.verifier_metrics else None
+            results, wall_s = asyncio.run(run_level(args.address, requests, concurrency, args.timeout_s,
+                                                    Progress(label, len(requests), not args.quiet)))
+            row = {"mode": mode, "budget": budget, "concurrency": concurrency} | summarize(results, wall_s)
+            outputs = [r.token_ids if r.error is None else None for r in results]
+            if plain_outputs is None:
+                plain_outputs = outputs
+            else:  # lossless: the same tokens as plain decoding (sampled requests too: request i has seed i)
+                same = sum(a is not None and a == b for a, b in zip(outputs, plain_outputs))
+                row["identical_to_plain"] = f"{same}/{len(outputs)}"
+            if before is not None:
+                row["round_ms"] = round_phase_means(before, round_phase_totals(args.verifier_metrics))
+            report["runs"].append(row)
+    for row in report["runs"]:  # each speculative run against the plain run at its concurrency
+        if row["mode"] == "speculative":
+            plain = next(r for r in report["runs"] if r["mode"] == "plain" and r["concurrency"] == row["concurrency"])
+            row["speedup"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else None
+    return report
+
+
+def plot(report: dict, path: Path) -> bool:
+    """Tokens per second against concurrency (one line per mode and budget) and tokens per round against budget
+    (one line per concurrency), as a PNG; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, (speed, accepted) = plt.subplots(1, 2, figsize=(11, 4.2))
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in report["runs"]:
+        name = "plain" if row["mode"] == "plain" else f"speculative, budget {row['budget']}"
+        series.setdefault(name, []).append((row["concurrency"], row["tokens_per_s"]))
+    for name, points in series.items():
+        speed.plot(*zip(*sorted(points)), marker="o", label=name)
+    levels = sorted({row["concurrency"] for row in report["runs"]})
+    speed.set_xscale("log", base=2)
+    speed.set_xticks(levels, [str(level) for level in levels])
+    speed.minorticks_off()
+    speed.set(xlabel="concurrent requests", ylabel="output tokens/s", title="throughput")
+    speed.legend()
+    by_concurrency: dict[int, list[tuple[int, float]]] = {}
+    for row in report["runs"]:
+        if row["mode"] == "speculative" and row["tokens_per_round"] is not None:
+            by_concurrency.setdefault(row["concurrency"], []).append((row["budget"], row["tokens_per_round"]))
+    for concurrency, points in sorted(by_concurrency.items()):
+        accepted.plot(*zip(*sorted(points)), marker="o", label=f"{concurrency} concurrent")
+    budgets = sorted({row["budget"] for row in report["runs"] if row["mode"] == "speculative"})
+    accepted.set_xticks(budgets, [str(budget) for budget in budgets])
+    accepted.set(xlabel="tree budget", ylabel="tokens per round", title="accepted length")
+    if by_concurrency:
+        accepted.legend()
+    figure.suptitle(f"{Path(report['gateway']['model']).name}: {report['workload'] or Path(report['prompts']).name}"
+                    f", temperature {report['temperature']}, {report['max_new_tokens']} new tokens")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_bench_arguments(parser) -> None:
+    ints = int_list
+    parser.add_argument("--address", required=True, help="the gateway (unix:///path.sock or host:port)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="code",
+                        help="fixed prompt set held out from drafter training (default code)")
+    parser.add_argument("--prompts", help="a JSONL prompt file instead of --workload")
+    parser.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64],
+                        help="requests in flight, comma-separated (default 1,4,16,64)")
+    parser.add_argument("--requests", type=int, default=64, help="requests per run (default 64)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    parser.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    parser.add_argument("--budgets", type=ints, default=[16], help="tree budgets, comma-separated (default 16)")
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    parser.add_argument("--verifier-metrics", metavar="HOST:PORT",
+                        help="the verifier's --metrics-listen, for its round time by phase")
+    parser.add_argument("--timeout-s", type=float, default=600, help="per request (default 600)")
+    parser.add_argument("--out", default="bench.json", help="JSON results (default bench.json); the plot beside it")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def main_bench(args) -> int:
+    if args.requests < 1 or not args.concurrency or min(args.concurrency) < 1 or not args.budgets or min(
+            args.budgets) < 1 or args.max_new_tokens < 1:
+        raise TreeserveError("--requests, --max-new-tokens, --concurrency and --budgets must be positive")
+    report = run_bench(args)
+    out = Path(args.out)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    picture = out.with_suffix(".png")
+    plotted = plot(report, picture)
+    for row in report["runs"]:
+        budget = f" budget {row['budget']}" if row["mode"] == "speculative" else ""
+        print(f"{row['mode']:11s}{budget:10s} x{row['concurrency']:<3d} {row['tokens_per_s']:9.1f} tok/s  "
+              f"ttft p50 {row['ttft_ms']['p50']} ms  itl p50 {row['itl_ms']['p50']} ms  "
+              f"tokens/round {row['tokens_per_round']}  errors {row['errors'] or 0}"
+              + (f"  x{row['speedup']} vs plain, identical {row['identical_to_plain']}" if "speedup" in row else ""))
+    print(f"wrote {out}" + (f" and {picture}" if plotted else " (no plot: matplotlib is not installed)"))
+    return 0

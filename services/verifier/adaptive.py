@@ -1,0 +1,155 @@
+"""Adaptive speculation: each round, the tree budget that maximises expected tokens per second.
+
+A round costs the drafter's time (nothing when no request drafts) plus one verification, whose cost depends on
+the batch and on the largest tree in it (the padded bucket it runs in). A request emits, in expectation,
+1 + s * log2(1 + b) tokens with a budget of b: one bonus token always, plus accepted drafts that grow about
+logarithmically with the tree (each doubling of a best-first tree adds roughly the same depth). The slope s is
+learnt per request (an exponential average of what its rounds accepted), starting from the average over
+requests. Costs are learnt per (batch bucket, tree bucket) from the rounds themselves, or measured up front by
+replaying the CUDA graphs; a bucket never seen costs what the nearest smaller one measured, so a larger tree is
+tried once before it is judged.
+
+So the choice is one budget T for the round (0: plain decoding, no drafter call): each speculating request drafts
+min(T, its own budget), and
+
+    T = argmax  sum_i E_i(min(T, budget_i)) / (draft_time(batch, T) + verify_time(batch, T + 1 nodes)).
+
+Plain decoding stays a candidate in every round, so where verification turns compute-bound (large batches),
+speculation switches itself off rather than costing throughput.
+"""
+
+from __future__ import annotations
+
+import math
+
+from treeserve.models.graphs import buckets_up_to, powers_of_two_up_to
+from treeserve.tree import MAX_BUDGET
+from treeserve.verifier.graphs import TREE_BUCKETS
+
+# Budgets the choice ranges over: 0 and each tree bucket's (nodes - 1).
+BUDGET_STEPS = tuple(nodes - 1 for nodes in TREE_BUCKETS)
+
+
+class Average:
+    """An exponential moving average that starts at its first sample."""
+
+    def __init__(self, weight: float):
+        self.weight, self.value, self.count = weight, None, 0
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
+        self.count += 1
+
+
+def batch_bucket(batch: int) -> int:
+    return buckets_up_to(max(batch, 1), powers_of_two_up_to(max(batch, 1)))[-1]
+
+
+def tree_bucket(nodes: int) -> int:
+    return next(size for size in TREE_BUCKETS if size >= nodes)
+
+
+class AdaptiveSpeculation:
+    """min_budget..max_budget: the bounds of the round budget (min_budget 0 allows plain decoding)."""
+
+    def __init__(self, min_budget: int = 0, max_budget: int = MAX_BUDGET, prior_slope: float = 0.5,
+                 weight: float = 0.2, explore_every: int = 32):
+        if not 0 <= min_budget <= max_budget <= MAX_BUDGET:
+            raise ValueError(f"adaptive budget bounds must satisfy 0 <= min <= max <= {MAX_BUDGET}, got "
+                             f"{min_budget}..{max_budget}")
+        self.min_budget, self.max_budget, self.weight = min_budget, max_budget, weight
+        self.verify_s: dict[tuple[int, int], Average] = {}  # (batch bucket, tree bucket) -> seconds
+        self.draft_s: dict[tuple[int, int], Average] = {}  # (batch bucket, budget step) -> seconds
+        self.slopes: dict[str, Average] = {}
+        self.overall_slope = Average(weight)
+        self.prior_slope = prior_slope
+        self.last_choice = 0
+        # After this many plain rounds in a row, one round speculates anyway: acceptance is only learnt from
+        # trees, and it changes along a request (a repetitive stretch, a new topic).
+        self.explore_every, self.plain_rounds = explore_every, 0
+
+    # ------------------------------------------------------------------------------------------- observations
+
+    def _add(self, table: dict, key: tuple[int, int], seconds: float) -> None:
+        table.setdefault(key, Average(self.weight)).add(seconds)
+
+    def observe_verify(self, batch: int, nodes: int, seconds: float) -> None:
+        """A verification of `batch` requests whose largest tree had `nodes` nodes (1: plain decoding)."""
+        self._add(self.verify_s, (batch_bucket(batch), tree_bucket(nodes)), seconds)
+
+    def observe_draft(self, batch: int, budget: int, seconds: float) -> None:
+        """A drafter round trip for `batch` requests at round budget `budget`."""
+        self._add(self.draft_s, (batch_bucket(batch), tree_bucket(budget + 1)), seconds)
+
+    def observe_acceptance(self, request_id: str, budget: int, tokens: int) -> None:
+        """A round of this request with a tree of `budget` drafted nodes emitted `tokens` tokens."""
+        if budget < 1:
+            return
+        slope = max(0.0, tokens - 1) / math.log2(1 + budget)
+        self.slopes.setdefault(request_id, Average(self.weight)).add(slope)
+        self.overall_slope.add(slope)
+
+    def forget(self, request_id: str) -> None:
+        self.slopes.pop(request_id, None)
+
+    # ---------------------------------------------------------------------------------------------- estimates
+
+    def expected_tokens(self, request_id: str, budget: int) -> float:
+        if budget < 1:
+            return 1.0
+        own = self.slopes.get(request_id)
+        slope = own.value if own is not None else (
+            self.overall_slope.value if self.overall_slope.value is not None else self.prior_slope)
+        return 1.0 + slope * math.log2(1 + budget)
+
+    @staticmethod
+    def _estimate(table: dict, batch: int, bucket: int) -> float | None:
+        """The learnt cost, else the nearest smaller bucket's at this batch (optimistic: a larger tree gets
+        tried), else the nearest larger one's; None when this batch bucket has no figure at all."""
+        row = {key[1]: average.value for key, average in table.items() if key[0] == batch}
+        if bucket in row:
+            return row[bucket]
+        smaller = [size for size in row if size < bucket]
+        if smaller:
+            return row[max(smaller)]
+        larger = [size for size in row if size > bucket]
+        return row[min(larger)] if larger else None
+
+    def round_seconds(self, batch: int, budget: int) -> float | None:
+        """Estimated time of one round of `batch` requests at round budget `budget`; None when unknown."""
+        batch = batch_bucket(batch)
+        verify = self._estimate(self.verify_s, batch, tree_bucket(budget + 1))
+        if verify is None:
+            return None
+        if budget == 0:
+            return verify
+        return verify + (self._estimate(self.draft_s, batch, tree_bucket(budget + 1)) or 0.0)
+
+    # --------------------------------------------------------------------------------------------------- choice
+
+    def choose(self, budgets: dict[str, int], batch: int) -> int:
+        """The round budget for the speculating requests (`budgets`: request id -> its own budget) in a batch of
+        `batch` requests (the rest decode plainly: one token each)."""
+        if not budgets:
+            return 0
+        most = min(self.max_budget, max(budgets.values()))
+        candidates = [step for step in (0,) + BUDGET_STEPS if self.min_budget <= step <= most]
+        if not candidates:
+            candidates = [min(self.min_budget, most)]
+        plain = batch - len(budgets)
+        rates = {}
+        for step in candidates:
+            seconds = self.round_seconds(batch, step)
+            if seconds is None:  # nothing measured at this batch size yet: speculate as asked, and learn
+                self.last_choice = most
+                return most
+            tokens = plain + sum(self.expected_tokens(request_id, min(step, own))
+                                 for request_id, own in budgets.items())
+            rates[step] = tokens / max(seconds, 1e-9)
+        best = max(rates, key=lambda step: (rates[step], -step))  # ties: the smaller tree
+        self.plain_rounds = self.plain_rounds + 1 if best == 0 else 0
+        if best == 0 and self.plain_rounds >= self.explore_every and len(rates) > 1:
+            best = max((step for step in rates if step > 0), key=lambda step: rates[step])
+            self.plain_rounds = 0
+        self.last_choice = best
+        return best

@@ -1,0 +1,101 @@
+"""Adaptive speculation: the round budget follows measured costs and acceptance (plain decoding when trees do
+not pay), and a stack that adapts still streams exactly the tokens of plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_services import PROMPTS, SERVING, Services, expected, health, request, run_all, scrape, wait_for
+from treeserve.loading import load_target
+from treeserve.verifier.adaptive import BUDGET_STEPS, AdaptiveSpeculation
+
+
+def costs(adaptive: AdaptiveSpeculation, batch: int, verify_ms: dict[int, float], draft_ms: float = 0.0):
+    """Verification costs at these tree sizes (nodes -> ms), and the drafter's cost at every budget."""
+    for nodes, ms in verify_ms.items():
+        adaptive.observe_verify(batch, nodes, ms / 1000)
+    for budget in BUDGET_STEPS:
+        adaptive.observe_draft(batch, budget, draft_ms / 1000)
+
+
+def accept(adaptive: AdaptiveSpeculation, request_ids, budget: int, tokens: int, rounds: int = 10):
+    for _ in range(rounds):
+        for request_id in request_ids:
+            adaptive.observe_acceptance(request_id, budget, tokens)
+
+
+def test_cheap_trees_and_good_acceptance_choose_a_large_budget():
+    adaptive = AdaptiveSpeculation()
+    # One request, memory-bound verification: 129 nodes cost 1.3x one token (an 8B target at batch 1).
+    costs(adaptive, 1, {1: 5.0, 2: 5.0, 3: 5.1, 5: 5.1, 9: 5.2, 17: 5.3, 33: 5.5, 65: 5.9, 129: 6.8})
+    accept(adaptive, ["a"], 32, 5)  # 5 tokens a round at budget 32
+    assert adaptive.choose({"a": 64}, batch=1) >= 32
+
+
+def test_compute_bound_batches_fall_back_to_plain_decoding():
+    adaptive = AdaptiveSpeculation()
+    ids = [f"r{i}" for i in range(64)]
+    # 64 requests: every drafted row costs (the 8B figures of docs/benchmarks.md), and a draft costs 3 ms.
+    costs(adaptive, 64, {1: 9.4, 2: 10.0, 3: 10.9, 5: 15.5, 9: 20.7, 17: 37.1, 33: 65.5, 65: 123.2, 129: 238.5},
+          draft_ms=3.0)
+    accept(adaptive, ids, 16, 2)  # one drafted token accepted a round
+    assert [adaptive.choose({i: 16 for i in ids}, batch=64) for _ in range(31)] == [0] * 31
+    # Every 32nd plain round tries the best tree once more: acceptance is only learnt from trees.
+    assert adaptive.choose({i: 16 for i in ids}, batch=64) > 0
+    # The same costs with acceptance high enough still speculate, with a small tree.
+    accept(adaptive, ids, 4, 4, rounds=40)
+    assert 1 <= adaptive.choose({i: 16 for i in ids}, batch=64) <= 4
+
+
+def test_bounds_and_own_budgets_cap_the_choice():
+    adaptive = AdaptiveSpeculation(min_budget=2, max_budget=8)
+    costs(adaptive, 1, {1: 5.0, 3: 5.0, 5: 5.0, 9: 5.0})  # trees cost nothing extra: the largest allowed wins
+    accept(adaptive, ["a"], 8, 4)
+    assert adaptive.choose({"a": 64}, batch=1) == 8
+    assert adaptive.choose({"a": 4}, batch=1) == 4  # the request's own budget
+    costs(adaptive, 1, {3: 50.0, 5: 100.0, 9: 200.0})  # trees now cost 10x and more: the minimum, not plain
+    assert adaptive.choose({"a": 64}, batch=1) == 2
+    with pytest.raises(ValueError, match="0 <= min <= max"):
+        AdaptiveSpeculation(min_budget=9, max_budget=8)
+
+
+def test_unmeasured_sizes_are_tried_before_judged():
+    adaptive = AdaptiveSpeculation()
+    assert adaptive.choose({"a": 16}, batch=1) == 16  # nothing measured: speculate as asked, and learn
+    costs(adaptive, 1, {1: 5.0, 17: 6.0})
+    accept(adaptive, ["a"], 16, 3)
+    # Budget 32 (33 nodes) is unmeasured: it costs what 17 nodes cost until tried, so it is tried.
+    assert adaptive.choose({"a": 32}, batch=1) == 32
+
+
+def test_a_request_with_poor_acceptance_does_not_drag_the_rest():
+    adaptive = AdaptiveSpeculation()
+    costs(adaptive, 2, {1: 5.0, 2: 5.2, 3: 5.3, 5: 5.4, 9: 5.6, 17: 6.0})
+    accept(adaptive, ["good"], 16, 5)
+    accept(adaptive, ["poor"], 16, 1)
+    assert adaptive.choose({"good": 16, "poor": 16}, batch=2) > 0
+    adaptive.forget("good")
+    assert "good" not in adaptive.slopes
+
+
+@pytest.mark.slow
+def test_an_adaptive_stack_streams_the_tokens_of_plain_decoding(tmp_path):
+    import tiny_models
+
+    model = str(tiny_models.write_hf_folder("qwen3", tmp_path / "model", seed=0))
+    (tmp_path / "run").mkdir()
+    services = Services(tmp_path / "run", model)
+    try:
+        services.start_drafter()
+        services.start_verifier("--speculation", "adaptive")
+        wait_for(lambda: health(services.verifier) == SERVING, what="the verifier")
+        services.start_gateway(services.verifier)
+        wait_for(lambda: health(services.gateway) == SERVING, what="the gateway")
+        target = load_target(model)
+        results = run_all(services.gateway, [request(p, 30) for p in PROMPTS])
+        for prompt, (tokens, _) in zip(PROMPTS, results):
+            assert tokens == expected(target, prompt, 30)
+        metrics = scrape(services.verifier_metrics)
+        assert ("treeserve_verifier_round_budget", ()) in metrics
+    finally:
+        services.stack.stop(grace_s=1)
