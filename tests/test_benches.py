@@ -39,3 +39,25 @@ def test_stack_bench_on_the_cpu(tmp_path):
     assert [r["drafter"] for r in rows] == ["none", "ngram"]
     assert rows[1]["identical_to_plain"] == "2/2"
     assert {"verify", "round"} <= set(rows[0]["round_ms"]) and "draft" in rows[1]["round_ms"]
+
+
+def test_projection_from_the_recorded_h200_figures(tmp_path):
+    """The 8B projection of docs/benchmarks.md, from the JSON files in the repo: every cell as its formula says,
+    and the adaptive choice never below plain decoding."""
+    from treeserve.verifier.projection import main
+
+    out = tmp_path / "projection.json"
+    assert main(["--costs", "docs/figures/graph-bench-8b-h200-graphs.json", "--acceptance",
+                 "docs/figures/acceptance-smollm2-h200.json", "--drafter-ms", "ngram=0.84", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    costs = {(r["batch"], r["tree_nodes"]): r["ms"] for r in
+             json.loads(open("docs/figures/graph-bench-8b-h200-graphs.json").read())["verification"] if "ms" in r}
+    row = next(r for r in report["rows"] if (r["batch"], r["drafter"], r["budget"]) == (1, "ngram", 16)
+               and not r.get("adaptive"))
+    assert row["round_ms"] == pytest.approx(costs[(1, 17)] + 0.84, abs=1e-3)
+    assert row["speedup"] == pytest.approx(row["tokens_per_round"] / row["round_ms"] * costs[(1, 1)], abs=1e-3)
+    adaptive = [r for r in report["rows"] if r.get("adaptive")]
+    assert {(r["batch"], r["drafter"]) for r in adaptive} == {
+        (b, d) for b in (1, 4, 16, 64) for d in ("ngram", "dflash-chain", "dflash-ddtree")}
+    assert all(r["tokens_per_s"] >= r["plain_tokens_per_s"] for r in adaptive)
+    assert report["projection"] is True
