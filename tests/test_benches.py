@@ -61,3 +61,21 @@ def test_projection_from_the_recorded_h200_figures(tmp_path):
         (b, d) for b in (1, 4, 16, 64) for d in ("ngram", "dflash-chain", "dflash-ddtree")}
     assert all(r["tokens_per_s"] >= r["plain_tokens_per_s"] for r in adaptive)
     assert report["projection"] is True
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_transformers_baseline_on_the_cpu(tmp_path, fmt):
+    """transformers' generate on treeserve's weights (a GGUF too): the same greedy tokens as treeserve."""
+    from treeserve.verifier.transformers_baseline import main
+
+    target = (tiny_models.write_hf_folder("llama", tmp_path / "model", seed=0) if fmt == "hf"
+              else tiny_models.write_gguf("qwen3", tmp_path / "model.gguf", seed=0))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["the cat sat on the mat and the cat",
+                                                                      "one two three one two three"]))
+    out = tmp_path / "baseline.json"
+    assert main(["--target", str(target), "--prompts", str(prompts), "--limit", "2", "--max-new-tokens", "12",
+                 "--device", "cpu", "--dtype", "float32", "--compare", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["greedy", "prompt-lookup"]
+    assert all(r["identical_to_treeserve_greedy"] == "2/2" and r["tokens"] == 24 for r in rows)
