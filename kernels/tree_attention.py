@@ -19,7 +19,6 @@ tree x tree.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 
@@ -174,25 +173,9 @@ def multiprocessors(device: torch.device) -> int:
 
 # Launch settings, chosen on an H200 by `python -m treeserve.verifier.attention_sweep` (docs/benchmarks.md):
 # query rows per program (tree rows x grouped heads), keys per tile, warps, pipeline stages, and how many
-# programs per streaming multiprocessor the key-range splits aim for. TREESERVE_ATTENTION_TUNING (JSON) overrides
-# them, for another GPU.
+# programs per streaming multiprocessor the key-range splits aim for. Run the sweep on another GPU and set the
+# best here.
 TUNING = {"query_rows": 64, "block_n": 32, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2}
-
-
-def _tuning_from_environment() -> dict:
-    text = os.environ.get("TREESERVE_ATTENTION_TUNING") or "{}"
-    try:
-        given = json.loads(text)
-    except json.JSONDecodeError:
-        given = None
-    if not isinstance(given, dict) or set(given) - set(TUNING) or not all(
-            isinstance(v, int) and v > 0 for v in given.values()):
-        raise ValueError(f"TREESERVE_ATTENTION_TUNING={text!r}: expected a JSON object of positive integers with "
-                         f"keys among {sorted(TUNING)}")
-    return given
-
-
-TUNING.update(_tuning_from_environment())
 
 
 def default_splits(programs: int, device: torch.device) -> int:

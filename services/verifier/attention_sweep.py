@@ -3,7 +3,7 @@
 Times one layer's tree attention (the Triton kernel, splits combined) for every combination of the settings in
 `treeserve.kernels.tree_attention.TUNING` over a set of (batch, tree rows, context) shapes, each as GPU time
 inside a CUDA graph. A setting's score is its mean slowdown against the best setting of each shape; the best
-score is printed as the JSON that TREESERVE_ATTENTION_TUNING takes, and written with every figure to --out.
+is printed (to set as TUNING's defaults for this GPU) and written with every figure to --out.
 """
 
 from __future__ import annotations

@@ -13,16 +13,12 @@ then closes its streams with UNAVAILABLE and exits), and followers stop with the
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import torch
 import torch.distributed as dist
 
 from treeserve.errors import TreeserveError
-
-log = logging.getLogger("treeserve.verifier")
-
 
 class RankLost(TreeserveError):
     """Another tensor-parallel rank is gone: this verifier cannot run another forward."""
