@@ -15,6 +15,7 @@ a test replays every bucket against eager execution.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 
 import numpy as np
@@ -151,14 +152,24 @@ class PagedRunner:
         self.graphs.clear()
         self.static = self._allocate_static()
         torch.cuda.synchronize()
-        for batch, rows in sorted(self.buckets, reverse=True):
-            view = self._static_view(batch, rows)
-            self.forward(view)  # warm-up: Triton compiles, cuBLAS picks its kernels
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.memory_pool):
-                outputs = self.forward(view)
-            self.memory_pool = graph.pool()
-            self.graphs[(batch, rows)] = CapturedGraph(graph, outputs)
+        # Python's cycle collector must not run during a capture: an unreachable CUDA graph from earlier (a
+        # runner and its forward refer to each other) destroyed mid-capture invalidates the capture. Collect
+        # now, and not again until the captures are done.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            for batch, rows in sorted(self.buckets, reverse=True):
+                view = self._static_view(batch, rows)
+                self.forward(view)  # warm-up: Triton compiles, cuBLAS picks its kernels
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.memory_pool):
+                    outputs = self.forward(view)
+                self.memory_pool = graph.pool()
+                self.graphs[(batch, rows)] = CapturedGraph(graph, outputs)
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.synchronize()
         return time.perf_counter() - started
 
