@@ -7,15 +7,17 @@ import pytest
 
 from test_services import PROMPTS, SERVING, Services, expected, health, request, run_all, scrape, wait_for
 from treeserve.loading import load_target
-from treeserve.verifier.adaptive import BUDGET_STEPS, AdaptiveSpeculation
+from treeserve.verifier.adaptive import BUDGET_STEPS, AdaptiveSpeculation, RecentCost
 
 
-def costs(adaptive: AdaptiveSpeculation, batch: int, verify_ms: dict[int, float], draft_ms: float = 0.0):
+def costs(adaptive: AdaptiveSpeculation, batch: int, verify_ms: dict[int, float], draft_ms: float = 0.0,
+          samples: int = RecentCost.SETTLED):
     """Verification costs at these tree sizes (nodes -> ms), and the drafter's cost at every budget."""
-    for nodes, ms in verify_ms.items():
-        adaptive.observe_verify(batch, nodes, ms / 1000)
-    for budget in BUDGET_STEPS:
-        adaptive.observe_draft(batch, budget, draft_ms / 1000)
+    for _ in range(samples):
+        for nodes, ms in verify_ms.items():
+            adaptive.observe_verify(batch, nodes, ms / 1000)
+        for budget in BUDGET_STEPS:
+            adaptive.observe_draft(batch, budget, draft_ms / 1000)
 
 
 def accept(adaptive: AdaptiveSpeculation, request_ids, budget: int, tokens: int, rounds: int = 10):
@@ -66,6 +68,19 @@ def test_unmeasured_sizes_are_tried_before_judged():
     accept(adaptive, ["a"], 16, 3)
     # Budget 32 (33 nodes) is unmeasured: it costs what 17 nodes cost until tried, so it is tried.
     assert adaptive.choose({"a": 32}, batch=1) == 32
+
+
+def test_one_slow_round_does_not_condemn_a_tree_size():
+    adaptive = AdaptiveSpeculation()
+    costs(adaptive, 1, {1: 5.0, 17: 6.0})
+    accept(adaptive, ["a"], 16, 4)
+    adaptive.observe_verify(1, 17, 1.5)  # a 1.5 s hiccup among 6 ms rounds
+    assert adaptive.choose({"a": 16}, batch=1) == 16
+    fresh = AdaptiveSpeculation()  # a first sample that was slow is retried before it is believed
+    costs(fresh, 1, {1: 5.0})
+    fresh.observe_verify(1, 17, 1.5)
+    accept(fresh, ["a"], 16, 4)
+    assert fresh.choose({"a": 16}, batch=1) == 16
 
 
 def test_a_request_with_poor_acceptance_does_not_drag_the_rest():

@@ -20,14 +20,40 @@ speculation switches itself off rather than costing throughput.
 
 from __future__ import annotations
 
+import collections
+import logging
 import math
+import statistics
 
 from treeserve.models.graphs import buckets_up_to, powers_of_two_up_to
 from treeserve.tree import MAX_BUDGET
 from treeserve.verifier.graphs import TREE_BUCKETS
 
+log = logging.getLogger("treeserve.verifier")
+
 # Budgets the choice ranges over: 0 and each tree bucket's (nodes - 1).
 BUDGET_STEPS = tuple(nodes - 1 for nodes in TREE_BUCKETS)
+
+
+class RecentCost:
+    """The median of the last few samples: one slow round (a first call, a hiccup of the host) does not set a
+    bucket's cost. A cost from fewer than SETTLED samples is not trusted yet."""
+
+    WINDOW, SETTLED = 8, 3
+
+    def __init__(self):
+        self.samples: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+
+    def add(self, sample: float) -> None:
+        self.samples.append(sample)
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def settled(self) -> bool:
+        return len(self.samples) >= self.SETTLED
 
 
 class Average:
@@ -58,8 +84,8 @@ class AdaptiveSpeculation:
             raise ValueError(f"adaptive budget bounds must satisfy 0 <= min <= max <= {MAX_BUDGET}, got "
                              f"{min_budget}..{max_budget}")
         self.min_budget, self.max_budget, self.weight = min_budget, max_budget, weight
-        self.verify_s: dict[tuple[int, int], Average] = {}  # (batch bucket, tree bucket) -> seconds
-        self.draft_s: dict[tuple[int, int], Average] = {}  # (batch bucket, budget step) -> seconds
+        self.verify_s: dict[tuple[int, int], RecentCost] = {}  # (batch bucket, tree bucket) -> seconds
+        self.draft_s: dict[tuple[int, int], RecentCost] = {}  # (batch bucket, tree bucket) -> seconds
         self.slopes: dict[str, Average] = {}
         self.overall_slope = Average(weight)
         self.prior_slope = prior_slope
@@ -70,8 +96,9 @@ class AdaptiveSpeculation:
 
     # ------------------------------------------------------------------------------------------- observations
 
-    def _add(self, table: dict, key: tuple[int, int], seconds: float) -> None:
-        table.setdefault(key, Average(self.weight)).add(seconds)
+    @staticmethod
+    def _add(table: dict, key: tuple[int, int], seconds: float) -> None:
+        table.setdefault(key, RecentCost()).add(seconds)
 
     def observe_verify(self, batch: int, nodes: int, seconds: float) -> None:
         """A verification of `batch` requests whose largest tree had `nodes` nodes (1: plain decoding)."""
@@ -104,16 +131,20 @@ class AdaptiveSpeculation:
 
     @staticmethod
     def _estimate(table: dict, batch: int, bucket: int) -> float | None:
-        """The learnt cost, else the nearest smaller bucket's at this batch (optimistic: a larger tree gets
-        tried), else the nearest larger one's; None when this batch bucket has no figure at all."""
-        row = {key[1]: average.value for key, average in table.items() if key[0] == batch}
-        if bucket in row:
-            return row[bucket]
+        """The bucket's cost at this batch; optimistic while it is unmeasured or unsettled: then at most what the
+        nearest smaller bucket costs, so a larger tree gets tried (and an early slow sample retried) before it
+        is judged. Without any smaller figure, the nearest larger one; None when this batch bucket has none."""
+        row = {key[1]: cost for key, cost in table.items() if key[0] == batch}
         smaller = [size for size in row if size < bucket]
-        if smaller:
-            return row[max(smaller)]
+        below = row[max(smaller)].value if smaller else None
+        if bucket in row and (row[bucket].settled or below is None):
+            return row[bucket].value
+        if bucket in row:
+            return min(row[bucket].value, below)
+        if below is not None:
+            return below
         larger = [size for size in row if size > bucket]
-        return row[min(larger)] if larger else None
+        return row[min(larger)].value if larger else None
 
     def round_seconds(self, batch: int, budget: int) -> float | None:
         """Estimated time of one round of `batch` requests at round budget `budget`; None when unknown."""
@@ -147,6 +178,8 @@ class AdaptiveSpeculation:
                                  for request_id, own in budgets.items())
             rates[step] = tokens / max(seconds, 1e-9)
         best = max(rates, key=lambda step: (rates[step], -step))  # ties: the smaller tree
+        log.debug("adaptive: batch %d, expected tokens/s by budget %s", batch,
+                  {step: round(rate, 1) for step, rate in rates.items()})
         self.plain_rounds = self.plain_rounds + 1 if best == 0 else 0
         if best == 0 and self.plain_rounds >= self.explore_every and len(rates) > 1:
             best = max((step for step in rates if step > 0), key=lambda step: rates[step])
