@@ -5,9 +5,9 @@ the batch and on the largest tree in it (the padded bucket it runs in). A reques
 1 + s * log2(1 + b) tokens with a budget of b: one bonus token always, plus accepted drafts that grow about
 logarithmically with the tree (each doubling of a best-first tree adds roughly the same depth). The slope s is
 learnt per request (an exponential average of what its rounds accepted), starting from the average over
-requests. Costs are learnt per (batch bucket, tree bucket) from the rounds themselves, or measured up front by
-replaying the CUDA graphs; a bucket never seen costs what the nearest smaller one measured, so a larger tree is
-tried once before it is judged.
+requests. Costs are learnt per (batch bucket, tree bucket) from the rounds themselves (the median of the last
+few), or measured up front by replaying the CUDA graphs; a bucket not yet measured a few times costs at most what
+the nearest smaller one measured, so a larger tree is tried before it is judged.
 
 So the choice is one budget T for the round (0: plain decoding, no drafter call): each speculating request drafts
 min(T, its own budget), and
