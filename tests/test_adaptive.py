@@ -3,10 +3,15 @@ not pay), and a stack that adapts still streams exactly the tokens of plain deco
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from test_services import PROMPTS, SERVING, Services, expected, health, request, run_all, scrape, wait_for
 from treeserve.loading import load_target
+from treeserve.telemetry import rounds_by_budget
 from treeserve.verifier.adaptive import BUDGET_STEPS, AdaptiveSpeculation, RecentCost
 
 
@@ -112,5 +117,19 @@ def test_an_adaptive_stack_streams_the_tokens_of_plain_decoding(tmp_path):
             assert tokens == expected(target, prompt, 30)
         metrics = scrape(services.verifier_metrics)
         assert ("treeserve_verifier_round_budget", ()) in metrics
+        chosen = rounds_by_budget(f"127.0.0.1:{services.verifier_metrics}")
+        assert sum(chosen.values()) > 0 and set(chosen) <= {0, *BUDGET_STEPS}
+        # treeserve bench reports what the adaptive verifier chose in each speculative run.
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+        out = tmp_path / "bench.json"
+        done = subprocess.run([sys.executable, "-m", "treeserve", "bench", "--address", services.gateway, "--prompts",
+                               str(prompts), "--concurrency", "2", "--requests", "4", "--max-new-tokens", "8",
+                               "--verifier-metrics", f"127.0.0.1:{services.verifier_metrics}", "--out", str(out),
+                               "--quiet"], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        plain, speculative = json.loads(out.read_text())["runs"]
+        assert "adaptive_rounds_by_budget" not in plain and sum(speculative["adaptive_rounds_by_budget"].values()) > 0
+        assert speculative["identical_to_plain"] == "4/4"
     finally:
         services.stack.stop(grace_s=1)

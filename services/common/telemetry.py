@@ -144,6 +144,9 @@ class VerifierMetrics:
         self.round_budget = Gauge("treeserve_verifier_round_budget",
                                   "The tree budget adaptive speculation chose for the last round (0: plain)",
                                   registry=r)
+        self.rounds_by_budget = Counter("treeserve_verifier_rounds_by_budget",
+                                        "Rounds by the tree budget adaptive speculation chose (0: plain)", ["budget"],
+                                        registry=r)
 
     def record_round(self, drafted: int, accepted: int) -> None:
         """One request's verified tree: `drafted` nodes, of which the `accepted` deepest path kept."""
@@ -194,6 +197,16 @@ def round_phase_totals(metrics_address: str) -> dict[str, tuple[float, float]]:
     sums = dict(re.findall(r'treeserve_round_seconds_sum{phase="(\w+)"} (\S+)', text))
     counts = dict(re.findall(r'treeserve_round_seconds_count{phase="(\w+)"} (\S+)', text))
     return {phase: (float(sums[phase]), float(counts[phase])) for phase in sums}
+
+
+def rounds_by_budget(metrics_address: str) -> dict[int, float]:
+    """Rounds so far by the budget adaptive speculation chose, from a verifier's metrics (empty without it)."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5).read().decode()
+    return {int(budget): float(count) for budget, count in
+            re.findall(r'treeserve_verifier_rounds_by_budget_total{budget="(\d+)"} (\S+)', text)}
 
 
 def round_phase_means(before: dict, after: dict) -> dict[str, float]:

@@ -158,7 +158,7 @@ async def model_info(address: str) -> dict:
 
 def run_bench(args) -> dict:
     from treeserve.drafter.corpus import read_prompts
-    from treeserve.telemetry import round_phase_means, round_phase_totals
+    from treeserve.telemetry import round_phase_means, round_phase_totals, rounds_by_budget
 
     path = Path(args.prompts) if args.prompts else WORKLOADS[args.workload]
     if not args.prompts and not path.is_file():
@@ -181,6 +181,7 @@ def run_bench(args) -> dict:
             requests = build_requests(prompts, args.requests, params, mode == "speculative", budget)
             label = f"{mode}{f' budget {budget}' if budget else ''} x{concurrency}"
             before = round_phase_totals(args.verifier_metrics) if args.verifier_metrics else None
+            budgets_before = rounds_by_budget(args.verifier_metrics) if args.verifier_metrics else {}
             results, wall_s = asyncio.run(run_level(args.address, requests, concurrency, args.timeout_s,
                                                     Progress(label, len(requests), not args.quiet)))
             row = {"mode": mode, "budget": budget, "concurrency": concurrency} | summarize(results, wall_s)
@@ -192,6 +193,10 @@ def run_bench(args) -> dict:
                 row["identical_to_plain"] = f"{same}/{len(outputs)}"
             if before is not None:
                 row["round_ms"] = round_phase_means(before, round_phase_totals(args.verifier_metrics))
+                chosen = {budget: count - budgets_before.get(budget, 0.0)
+                          for budget, count in rounds_by_budget(args.verifier_metrics).items()}
+                if any(chosen.values()):  # an adaptive verifier: the rounds by the budget it chose
+                    row["adaptive_rounds_by_budget"] = {str(b): int(n) for b, n in sorted(chosen.items()) if n}
             report["runs"].append(row)
     for row in report["runs"]:  # each speculative run against the plain run at its concurrency
         if row["mode"] == "speculative":

@@ -184,9 +184,10 @@ class Scheduler:
                        if entry.link is not None and entry.link.up and entry.generation.prefilled
                        and self.can_draft(entry, entry.link)}
         budgets = {request_id: entry.generation.budget for request_id, entry in speculating.items()}
-        if self.adaptive is not None:
+        if self.adaptive is not None and budgets:
             chosen = self.adaptive.choose(budgets, len(self.running))
             self.metrics.round_budget.set(chosen)
+            self.metrics.rounds_by_budget.labels(budget=str(chosen)).inc()
             budgets = {request_id: min(chosen, own) for request_id, own in budgets.items() if chosen > 0}
         by_link: dict[DrafterLink, dict[str, Generation]] = {}
         for request_id in budgets:
