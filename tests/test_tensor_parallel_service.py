@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 import tiny_models
-from test_services import PROMPTS, SERVING, Services, expected, health, request, run_all, wait_for
+from test_services import PROMPTS, SERVING, Services, expected, health, request, run_all, scrape, wait_for
 from treeserve.loading import load_target
 from treeserve.v1 import gateway_pb2_grpc
 
@@ -59,6 +59,35 @@ def test_two_ranks_stream_the_tokens_of_one(services, model_path):
     results = run_all(services.gateway, [request(p, 30) for p in PROMPTS])
     for prompt, (tokens, _) in zip(PROMPTS, results):
         assert tokens == expected(target, prompt, 30)
+
+
+def test_a_dflash_drafter_beside_two_ranks_gets_features_and_loses_nothing(tmp_path, model_path):
+    """The features a DFlash drafter conditions on come from rank 0 alone, whole (after the all-reduces)."""
+    import torch
+
+    from random_targets import random_dflash_drafter
+    from treeserve.drafter.dflash import save_dflash
+
+    target = load_target(model_path)
+    save_dflash(random_dflash_drafter(target.model, "ddtree").model, tmp_path / "dflash", dtype=torch.float32)
+    (tmp_path / "run").mkdir()
+    services = Services(tmp_path / "run", model_path)
+    try:
+        services.drafter = services.stack.start("drafter", [
+            "--kind", "dflash", "--drafter-path", str(tmp_path / "dflash"), "--target", model_path, "--tree",
+            "ddtree", "--grace-s", "1"])
+        wait_for(lambda: health(services.drafter) == SERVING, timeout_s=120, what="the DFlash drafter")
+        services.start_verifier("--tp", "2")
+        wait_for(lambda: health(services.verifier) == SERVING, timeout_s=120, what="the verifier on two ranks")
+        services.start_gateway(services.verifier)
+        wait_for(lambda: health(services.gateway) == SERVING, what="the gateway")
+        results = run_all(services.gateway, [request(p, 20) for p in PROMPTS[:4]])
+        for prompt, (tokens, _) in zip(PROMPTS, results):
+            assert tokens == expected(target, prompt, 20)
+        metrics = scrape(services.verifier_metrics)
+        assert metrics[("treeserve_drafts_total", ())] > 0  # trees were drafted from the features and verified
+    finally:
+        services.stack.stop(grace_s=1)
 
 
 def test_a_dead_rank_takes_the_verifier_down_cleanly(services):
