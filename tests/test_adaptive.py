@@ -11,7 +11,7 @@ import pytest
 
 from test_services import PROMPTS, SERVING, Services, expected, health, request, run_all, scrape, wait_for
 from treeserve.loading import load_target
-from treeserve.telemetry import rounds_by_budget
+from treeserve.telemetry import round_totals
 from treeserve.verifier.adaptive import BUDGET_STEPS, AdaptiveSpeculation, RecentCost
 
 
@@ -117,7 +117,7 @@ def test_an_adaptive_stack_streams_the_tokens_of_plain_decoding(tmp_path):
             assert tokens == expected(target, prompt, 30)
         metrics = scrape(services.verifier_metrics)
         assert ("treeserve_verifier_round_budget", ()) in metrics
-        chosen = rounds_by_budget(f"127.0.0.1:{services.verifier_metrics}")
+        chosen = round_totals(f"127.0.0.1:{services.verifier_metrics}").budgets
         assert sum(chosen.values()) > 0 and set(chosen) <= {0, *BUDGET_STEPS}
         # treeserve bench reports what the adaptive verifier chose in each speculative run.
         prompts = tmp_path / "prompts.jsonl"

@@ -187,33 +187,46 @@ class GatewayMetrics:
                                          buckets=LATENCY_BUCKETS, registry=r)
 
 
-def round_phase_totals(metrics_address: str) -> dict[str, tuple[float, float]]:
-    """(seconds, rounds) so far of each round phase, from a verifier's Prometheus histogram
-    `treeserve_round_seconds` served at http://metrics_address/metrics."""
+@dataclasses.dataclass
+class RoundTotals:
+    """A verifier's round counters at one moment, from one scrape of its Prometheus metrics."""
+
+    phases: dict[str, tuple[float, float]]  # phase -> (seconds, rounds) so far, `treeserve_round_seconds`
+    budgets: dict[int, float]  # adaptive speculation: rounds so far by chosen budget (empty without it)
+
+
+def round_totals(metrics_address: str) -> RoundTotals:
+    """The counters of the verifier serving its metrics at http://metrics_address/metrics."""
     import re
     import urllib.request
 
     text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5).read().decode()
     sums = dict(re.findall(r'treeserve_round_seconds_sum{phase="(\w+)"} (\S+)', text))
     counts = dict(re.findall(r'treeserve_round_seconds_count{phase="(\w+)"} (\S+)', text))
-    return {phase: (float(sums[phase]), float(counts[phase])) for phase in sums}
+    budgets = re.findall(r'treeserve_verifier_rounds_by_budget_total{budget="(\d+)"} (\S+)', text)
+    return RoundTotals({phase: (float(sums[phase]), float(counts[phase])) for phase in sums},
+                       {int(budget): float(count) for budget, count in budgets})
 
 
-def rounds_by_budget(metrics_address: str) -> dict[int, float]:
-    """Rounds so far by the budget adaptive speculation chose, from a verifier's metrics (empty without it)."""
-    import re
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5).read().decode()
-    return {int(budget): float(count) for budget, count in
-            re.findall(r'treeserve_verifier_rounds_by_budget_total{budget="(\d+)"} (\S+)', text)}
-
-
-def round_phase_means(before: dict, after: dict) -> dict[str, float]:
-    """Mean milliseconds per round of each phase between two `round_phase_totals`."""
+def round_phase_means(before: RoundTotals, after: RoundTotals) -> dict[str, float]:
+    """Mean milliseconds per round of each phase between two snapshots."""
     means = {}
-    for phase, (seconds, count) in after.items():
-        seconds0, count0 = before.get(phase, (0.0, 0.0))
+    for phase, (seconds, count) in after.phases.items():
+        seconds0, count0 = before.phases.get(phase, (0.0, 0.0))
         if count > count0:
             means[phase] = round((seconds - seconds0) / (count - count0) * 1000, 3)
     return means
+
+
+def rounds_by_budget(before: RoundTotals, after: RoundTotals) -> dict[int, int]:
+    """Rounds between two snapshots by the budget adaptive speculation chose (those it chose at least once)."""
+    counts = {budget: int(count - before.budgets.get(budget, 0.0)) for budget, count in after.budgets.items()}
+    return {budget: count for budget, count in sorted(counts.items()) if count}
+
+
+def percentile(values: list[float], percent: float) -> float | None:
+    """The nearest-rank percentile of `values` (None when there are none)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(percent / 100 * (len(ordered) - 1)))]

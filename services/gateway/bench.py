@@ -26,6 +26,7 @@ import grpc
 from treeserve.errors import TreeserveError
 from treeserve.params import GenerationParams
 from treeserve.serving import normalize_address
+from treeserve.telemetry import percentile
 from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 from treeserve.wire import params_to_proto
 
@@ -66,13 +67,6 @@ async def one_request(stub, request: gateway_pb2.GenerateRequest, timeout_s: flo
     return result
 
 
-def percentile(values: list[float], fraction: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
-
-
 def summarize(results: list[RequestResult], wall_s: float) -> dict:
     done = [r for r in results if r.error is None]
     tokens = sum(r.tokens for r in done)
@@ -88,8 +82,8 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
         "requests": len(results), "completed": len(done), "errors": errors, "output_tokens": tokens,
         "wall_s": round(wall_s, 3), "tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else 0.0,
         "per_request_tokens_per_s": round(statistics.mean(r.tokens / r.elapsed_s for r in done), 2) if done else 0.0,
-        "ttft_ms": {"p50": ms(percentile(first, 0.5)), "p99": ms(percentile(first, 0.99))},
-        "itl_ms": {"p50": ms(percentile(gaps, 0.5)), "p99": ms(percentile(gaps, 0.99))},
+        "ttft_ms": {"p50": ms(percentile(first, 50)), "p99": ms(percentile(first, 99))},
+        "itl_ms": {"p50": ms(percentile(gaps, 50)), "p99": ms(percentile(gaps, 99))},
         "tokens_per_round": round(sum(r.round_tokens for r in done) / rounds, 3) if rounds else None,
     }
 
@@ -158,7 +152,7 @@ async def model_info(address: str) -> dict:
 
 def run_bench(args) -> dict:
     from treeserve.drafter.corpus import read_prompts
-    from treeserve.telemetry import round_phase_means, round_phase_totals, rounds_by_budget
+    from treeserve.telemetry import round_phase_means, round_totals, rounds_by_budget
 
     path = Path(args.prompts) if args.prompts else WORKLOADS[args.workload]
     if not args.prompts and not path.is_file():
@@ -180,8 +174,7 @@ def run_bench(args) -> dict:
         for mode, budget in modes:
             requests = build_requests(prompts, args.requests, params, mode == "speculative", budget)
             label = f"{mode}{f' budget {budget}' if budget else ''} x{concurrency}"
-            before = round_phase_totals(args.verifier_metrics) if args.verifier_metrics else None
-            budgets_before = rounds_by_budget(args.verifier_metrics) if args.verifier_metrics else {}
+            before = round_totals(args.verifier_metrics) if args.verifier_metrics else None
             results, wall_s = asyncio.run(run_level(args.address, requests, concurrency, args.timeout_s,
                                                     Progress(label, len(requests), not args.quiet)))
             row = {"mode": mode, "budget": budget, "concurrency": concurrency} | summarize(results, wall_s)
@@ -192,11 +185,11 @@ def run_bench(args) -> dict:
                 same = sum(a is not None and a == b for a, b in zip(outputs, plain_outputs))
                 row["identical_to_plain"] = f"{same}/{len(outputs)}"
             if before is not None:
-                row["round_ms"] = round_phase_means(before, round_phase_totals(args.verifier_metrics))
-                chosen = {budget: count - budgets_before.get(budget, 0.0)
-                          for budget, count in rounds_by_budget(args.verifier_metrics).items()}
-                if any(chosen.values()):  # an adaptive verifier: the rounds by the budget it chose
-                    row["adaptive_rounds_by_budget"] = {str(b): int(n) for b, n in sorted(chosen.items()) if n}
+                after = round_totals(args.verifier_metrics)
+                row["round_ms"] = round_phase_means(before, after)
+                chosen = rounds_by_budget(before, after)
+                if chosen:  # an adaptive verifier: the rounds by the budget it chose
+                    row["adaptive_rounds_by_budget"] = {str(budget): count for budget, count in chosen.items()}
             report["runs"].append(row)
     for row in report["runs"]:  # each speculative run against the plain run at its concurrency
         if row["mode"] == "speculative":

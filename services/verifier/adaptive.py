@@ -84,8 +84,9 @@ class AdaptiveSpeculation:
             raise ValueError(f"adaptive budget bounds must satisfy 0 <= min <= max <= {MAX_BUDGET}, got "
                              f"{min_budget}..{max_budget}")
         self.min_budget, self.max_budget, self.weight = min_budget, max_budget, weight
-        self.verify_s: dict[tuple[int, int], RecentCost] = {}  # (batch bucket, tree bucket) -> seconds
-        self.draft_s: dict[tuple[int, int], RecentCost] = {}  # (batch bucket, tree bucket) -> seconds
+        # batch bucket -> tree bucket -> seconds
+        self.verify_s: dict[int, dict[int, RecentCost]] = {}
+        self.draft_s: dict[int, dict[int, RecentCost]] = {}
         self.slopes: dict[str, Average] = {}
         self.overall_slope = Average(weight)
         self.prior_slope = prior_slope
@@ -97,16 +98,16 @@ class AdaptiveSpeculation:
     # ------------------------------------------------------------------------------------------- observations
 
     @staticmethod
-    def _add(table: dict, key: tuple[int, int], seconds: float) -> None:
-        table.setdefault(key, RecentCost()).add(seconds)
+    def _add(table: dict, batch: int, nodes: int, seconds: float) -> None:
+        table.setdefault(batch_bucket(batch), {}).setdefault(tree_bucket(nodes), RecentCost()).add(seconds)
 
     def observe_verify(self, batch: int, nodes: int, seconds: float) -> None:
         """A verification of `batch` requests whose largest tree had `nodes` nodes (1: plain decoding)."""
-        self._add(self.verify_s, (batch_bucket(batch), tree_bucket(nodes)), seconds)
+        self._add(self.verify_s, batch, nodes, seconds)
 
     def observe_draft(self, batch: int, budget: int, seconds: float) -> None:
         """A drafter round trip for `batch` requests at round budget `budget`."""
-        self._add(self.draft_s, (batch_bucket(batch), tree_bucket(budget + 1)), seconds)
+        self._add(self.draft_s, batch, budget + 1, seconds)
 
     def observe_acceptance(self, request_id: str, budget: int, tokens: int) -> None:
         """A round of this request with a tree of `budget` drafted nodes emitted `tokens` tokens."""
@@ -134,7 +135,7 @@ class AdaptiveSpeculation:
         """The bucket's cost at this batch; optimistic while it is unmeasured or unsettled: then at most what the
         nearest smaller bucket costs, so a larger tree gets tried (and an early slow sample retried) before it
         is judged. Without any smaller figure, the nearest larger one; None when this batch bucket has none."""
-        row = {key[1]: cost for key, cost in table.items() if key[0] == batch}
+        row = table.get(batch, {})
         smaller = [size for size in row if size < bucket]
         below = row[max(smaller)].value if smaller else None
         if bucket in row and (row[bucket].settled or below is None):

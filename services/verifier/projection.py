@@ -18,18 +18,12 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from pathlib import Path
 
 from treeserve.cli import OneLineErrorParser
 from treeserve.errors import TreeserveError
+from treeserve.loading.hf_folder import read_json
 from treeserve.verifier.graphs import TREE_BUCKETS
-
-
-def read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as error:
-        raise TreeserveError(f"{path}: cannot read JSON ({error})") from None
 
 
 def verify_costs(report: dict) -> dict[tuple[int, int], float]:
@@ -105,7 +99,8 @@ def main(argv=None) -> int:
                 drafter_ms[name] = float(value)
             except ValueError:
                 raise TreeserveError(f"--drafter-ms: expected NAME=MS, got {item!r}") from None
-        rows = project(verify_costs(read_json(args.costs)), acceptance(read_json(args.acceptance)), drafter_ms)
+        rows = project(verify_costs(read_json(Path(args.costs))), acceptance(read_json(Path(args.acceptance))),
+                       drafter_ms)
     except TreeserveError as error:
         print(f"projection: error: {error}", file=sys.stderr)
         return 1

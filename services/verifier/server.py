@@ -137,11 +137,7 @@ class Scheduler:
             return
         log.error("%s: failing every request and going down", error)
         self.lost = error
-        for request_id in [*self.waiting, *self.running]:
-            entry = self.waiting.get(request_id) or self.running[request_id]
-            entry.outbox.put_nowait(error)
-            self.metrics.requests.labels(outcome="error").inc()
-            self.cancel(request_id)
+        self._fail([*self.waiting, *self.running], error)
         self.wake.set()
         if self.on_rank_lost is not None:
             self.on_rank_lost(error)
@@ -168,10 +164,15 @@ class Scheduler:
                     continue
                 # A bug or device failure: fail this batch, keep serving the next.
                 log.exception("round failed")
-                for request_id in list(self.running):
-                    self.running[request_id].outbox.put_nowait(error)
-                    self.metrics.requests.labels(outcome="error").inc()
-                    self.cancel(request_id)
+                self._fail(list(self.running), error)
+
+    def _fail(self, request_ids: list[str], error: Exception) -> None:
+        """End these requests with `error` (their streams close with its status) and free what they hold."""
+        for request_id in request_ids:
+            entry = self.waiting.get(request_id) or self.running[request_id]
+            entry.outbox.put_nowait(error)
+            self.metrics.requests.labels(outcome="error").inc()
+            self.cancel(request_id)
 
     async def _drafts(self, spans: dict[str, trace.Span]) -> dict:
         """Trees for every prefilled, speculating request, one batched round trip per drafter."""

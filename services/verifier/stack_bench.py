@@ -22,7 +22,7 @@ from treeserve.errors import TreeserveError
 from treeserve.launcher import Stack
 from treeserve.params import GenerationParams
 from treeserve.serving import free_port
-from treeserve.telemetry import round_phase_means, round_phase_totals
+from treeserve.telemetry import round_phase_means, round_totals
 
 DRAFTER_CONFIGS = {"ngram": ("ngram", "ddtree"), "dflash-chain": ("dflash", "chain"),
                    "dflash-ddtree": ("dflash", "ddtree")}
@@ -114,15 +114,15 @@ def main(argv=None) -> int:
                         # Untimed: the first requests of a fresh stack compile kernels and pick GEMM algorithms.
                         asyncio.run(run_requests(gateway, prompts[:1], GenerationParams(max_new_tokens=16), True))
                         asyncio.run(run_requests(gateway, prompts[:1], GenerationParams(max_new_tokens=16), False))
-                        before = round_phase_totals(metrics_address)
+                        before = round_totals(metrics_address)
                         if plain is None:
                             plain = asyncio.run(run_requests(gateway, prompts, params, speculate=False))
-                            after = round_phase_totals(metrics_address)
+                            after = round_totals(metrics_address)
                             plain["round_ms"] = round_phase_means(before, after)
                             record({"graphs": graphs, "drafter": "none"} | without_outputs(plain))
                             before = after
                         found = asyncio.run(run_requests(gateway, prompts, params, speculate=True))
-                        found["round_ms"] = round_phase_means(before, round_phase_totals(metrics_address))
+                        found["round_ms"] = round_phase_means(before, round_totals(metrics_address))
                     finally:
                         stack.stop(5)
                 same = sum(a == b for a, b in zip(found["outputs"], plain["outputs"]))
