@@ -18,6 +18,7 @@ from pathlib import Path
 from treeserve.cli import OneLineErrorParser
 from treeserve.errors import TreeserveError
 from treeserve.launcher import Stack
+from treeserve.telemetry import percentile
 
 
 class SyntheticRequest:
@@ -41,11 +42,6 @@ class SyntheticRequest:
         """A round's worth of accepted tokens (1 to 4), continuing the pattern."""
         for _ in range(self.rng.randint(1, 4)):
             self.tokens.append(self.tokens[-32])
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 async def measure(address: str, batch: int, rounds: int, warmup: int, budget: int, prompt_tokens: int) -> dict:
@@ -102,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.drafter:
                 address = serving.normalize_address(args.drafter)
             else:
-                address = stack.start("drafter", ["--log-level", "WARNING"])
+                address = stack.start("drafter", ["--kind", "ngram", "--log-level", "WARNING"])
                 stack.wait_serving(timeout_s=120)
             results = []
 
