@@ -54,6 +54,45 @@ def test_compute_bound_batches_fall_back_to_plain_decoding():
     assert 1 <= adaptive.choose({i: 16 for i in ids}, batch=64) <= 4
 
 
+def test_failed_explorations_back_off():
+    adaptive = AdaptiveSpeculation()
+    ids = ["a", "b"]
+    costs(adaptive, 2, {1: 5.0, 17: 20.0}, draft_ms=5.0)  # trees cost 5x: a drafter that never pays
+    accept(adaptive, ids, 16, 1)
+
+    def rounds_until_a_try():
+        for played in range(1, 5000):
+            if adaptive.choose({i: 16 for i in ids}, batch=2) > 0:
+                accept(adaptive, ids, 16, 1, rounds=1)  # the try fails
+                return played
+        raise AssertionError("no exploring round")
+
+    assert [rounds_until_a_try() for _ in range(7)] == [32, 64, 128, 256, 512, 1024, 1024]
+    # Trees that pay again (cheap now, and accepted) win on their merits, and exploring starts over at 32.
+    costs(adaptive, 2, {1: 5.0, 17: 5.5}, samples=RecentCost.WINDOW)
+    accept(adaptive, ids, 16, 8, rounds=30)
+    assert adaptive.choose({i: 16 for i in ids}, batch=2) == 16 and adaptive.explore_interval == 32
+
+
+def test_a_stretch_of_misses_does_not_stop_trees_that_pay_on_average():
+    # An n-gram drafter on code, one request, the H200 stack's costs: a plain round 1.9 ms, 17 nodes 2.3 ms,
+    # the drafter's round trip 0.9 ms. Break-even is 1.68 tokens a round at budget 16.
+    adaptive = AdaptiveSpeculation()
+    costs(adaptive, 1, {1: 1.9, 17: 2.3}, draft_ms=0.9)
+    accept(adaptive, ["a"], 16, 5)  # a copied stretch: 5 tokens a round
+    accept(adaptive, ["a"], 16, 1)  # then ten misses: 2.8 tokens a round over the twenty
+    assert adaptive.choose({"a": 16}, batch=1) == 16
+    accept(adaptive, ["a"], 16, 1, rounds=40)  # misses for long: below break-even
+    assert adaptive.choose({"a": 16}, batch=1) == 0
+
+
+def test_a_round_emits_at_most_its_budget_plus_one():
+    adaptive = AdaptiveSpeculation()
+    accept(adaptive, ["a"], 4, 5)  # every drafted token accepted: a slope above 1
+    assert adaptive.slope("a") > 1.5
+    assert adaptive.expected_tokens("a", 1) == 2.0 and 4.5 < adaptive.expected_tokens("a", 4) <= 5.0
+
+
 def test_bounds_and_own_budgets_cap_the_choice():
     adaptive = AdaptiveSpeculation(min_budget=2, max_budget=8)
     costs(adaptive, 1, {1: 5.0, 3: 5.0, 5: 5.0, 9: 5.0})  # trees cost nothing extra: the largest allowed wins

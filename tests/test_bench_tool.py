@@ -42,7 +42,7 @@ def test_greedy_runs_side_by_side(services, tmp_path):
     prompts = tmp_path / "prompts.jsonl"  # the code workload's prompts are longer than the tiny model's context
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     report = bench(services, tmp_path / "greedy.json", "--prompts", str(prompts), "--concurrency", "1,3", "--requests",
-                   "6", "--max-new-tokens", "12", "--budgets", "4,8", "--ignore-eos",
+                   "6", "--max-new-tokens", "12", "--budgets", "4,8", "--ignore-eos", "--no-warmup",
                    "--verifier-metrics", f"127.0.0.1:{services.verifier_metrics}")
     assert report["command"].startswith("treeserve bench --address")
     assert [(r["mode"], r["budget"], r["concurrency"]) for r in report["runs"]] == [
@@ -61,9 +61,11 @@ def test_greedy_runs_side_by_side(services, tmp_path):
 
 def test_sampled_chat_runs_are_lossless_too(services, tmp_path):
     # Request i samples with seed i in both modes, and a seed gives the same tokens with or without trees.
-    report = bench(services, tmp_path / "chat.json", "--workload", "chat", "--concurrency", "2", "--requests", "4",
+    # --requests 3 below the concurrency: each run still puts 4 requests in flight.
+    report = bench(services, tmp_path / "chat.json", "--workload", "chat", "--concurrency", "4", "--requests", "3",
                    "--max-new-tokens", "10", "--temperature", "0.8")
     assert [r["mode"] for r in report["runs"]] == ["plain", "speculative"]
+    assert [r["completed"] for r in report["runs"]] == [4, 4] and report["warmup"]  # warm-up runs not counted
     assert report["runs"][1]["identical_to_plain"] == "4/4"
 
 

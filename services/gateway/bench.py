@@ -167,12 +167,22 @@ def run_bench(args) -> dict:
     params.validate()
     report = {"command": "treeserve bench " + shlex.join(args.argv), "gateway": info, "prompts": str(path),
               "workload": args.workload if not args.prompts else None, "max_new_tokens": args.max_new_tokens,
-              "temperature": args.temperature, "runs": []}
+              "temperature": args.temperature, "warmup": args.warmup, "runs": []}
     modes = [("plain", 0)] + [("speculative", budget) for budget in args.budgets]
+    if args.warmup:  # untimed: the first requests of a fresh stack pay one-off costs (allocations, first shapes)
+        concurrency = max(args.concurrency)
+        warm_params = dataclasses.replace(params, max_new_tokens=min(16, params.max_new_tokens))
+        for mode, budget in modes:
+            requests = build_requests(prompts, max(args.requests, concurrency), warm_params, mode == "speculative",
+                                      budget)
+            asyncio.run(run_level(args.address, requests, concurrency, args.timeout_s,
+                                  Progress(f"warm-up {mode}", len(requests), not args.quiet)))
     for concurrency in args.concurrency:
         plain_outputs = None
         for mode, budget in modes:
-            requests = build_requests(prompts, args.requests, params, mode == "speculative", budget)
+            # never fewer requests than the concurrency, or the level would not reach it
+            requests = build_requests(prompts, max(args.requests, concurrency), params, mode == "speculative",
+                                      budget)
             label = f"{mode}{f' budget {budget}' if budget else ''} x{concurrency}"
             before = round_totals(args.verifier_metrics) if args.verifier_metrics else None
             results, wall_s = asyncio.run(run_level(args.address, requests, concurrency, args.timeout_s,
@@ -255,10 +265,12 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--prompts", help="a JSONL prompt file instead of --workload")
     parser.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64],
                         help="requests in flight, comma-separated (default 1,4,16,64)")
-    parser.add_argument("--requests", type=int, default=64, help="requests per run (default 64)")
+    parser.add_argument("--requests", type=int, default=64, help="requests per run, at least the concurrency (default 64)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     parser.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     parser.add_argument("--budgets", type=ints, default=[16], help="tree budgets, comma-separated (default 16)")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="skip the untimed warm-up pass (each mode once, 16 tokens, at the largest concurrency)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     parser.add_argument("--verifier-metrics", metavar="HOST:PORT",
                         help="the verifier's --metrics-listen, for its round time by phase")

@@ -3,9 +3,11 @@
 A round costs the drafter's time (nothing when no request drafts) plus one verification, whose cost depends on
 the batch and on the largest tree in it (the padded bucket it runs in). A request emits, in expectation,
 1 + s * log2(1 + b) tokens with a budget of b: one bonus token always, plus accepted drafts that grow about
-logarithmically with the tree (each doubling of a best-first tree adds roughly the same depth). The slope s is
-learnt per request (an exponential average of what its rounds accepted), starting from the average over
-requests. Costs are learnt per (batch bucket, tree bucket) from the rounds themselves (the median of the last
+logarithmically with the tree (each doubling of a best-first tree adds roughly the same depth), and at most
+b + 1. The slope s is learnt per request as a ratio of decaying sums (tokens accepted beyond the bonus one, over
+log2(1 + b)), shrunk towards the same ratio over all requests: acceptance comes in bursts (a stretch that copies
+the prompt, then misses), and an average of per-round slopes swings with each burst where a ratio of sums
+does not. Costs are learnt per (batch bucket, tree bucket) from the rounds themselves (the median of the last
 few), or measured up front by replaying the CUDA graphs; a bucket not yet measured a few times costs at most what
 the nearest smaller one measured, so a larger tree is tried before it is judged.
 
@@ -56,15 +58,20 @@ class RecentCost:
         return len(self.samples) >= self.SETTLED
 
 
-class Average:
-    """An exponential moving average that starts at its first sample."""
+class AcceptanceSlope:
+    """Accepted tokens per log2(1 + budget), as decaying sums: each observation weighs `1 - decay` times the one
+    after it, so the slope follows a request that changes character over a few dozen rounds."""
 
-    def __init__(self, weight: float):
-        self.weight, self.value, self.count = weight, None, 0
+    def __init__(self, decay: float):
+        self.decay, self.accepted, self.log_budget = decay, 0.0, 0.0
 
-    def add(self, sample: float) -> None:
-        self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
-        self.count += 1
+    def add(self, accepted: float, log_budget: float) -> None:
+        self.accepted = self.accepted * (1 - self.decay) + accepted
+        self.log_budget = self.log_budget * (1 - self.decay) + log_budget
+
+    def value(self, prior: float, prior_weight: float) -> float:
+        """The slope, with `prior` counted as `prior_weight` of log-budget already observed."""
+        return (self.accepted + prior * prior_weight) / (self.log_budget + prior_weight)
 
 
 def batch_bucket(batch: int) -> int:
@@ -78,22 +85,30 @@ def tree_bucket(nodes: int) -> int:
 class AdaptiveSpeculation:
     """min_budget..max_budget: the bounds of the round budget (min_budget 0 allows plain decoding)."""
 
+    # A request's own observations are shrunk towards the slope over all requests by this much log-budget (about
+    # one round at budget 16), so that its first round or two do not decide alone.
+    PRIOR_WEIGHT = 4.0
+    # Exploration backs off to at most this many plain rounds between tries, while tries keep failing.
+    EXPLORE_AT_MOST = 1024
+
     def __init__(self, min_budget: int = 0, max_budget: int = MAX_BUDGET, prior_slope: float = 0.5,
-                 weight: float = 0.2, explore_every: int = 32):
+                 decay: float = 0.05, explore_every: int = 32):
         if not 0 <= min_budget <= max_budget <= MAX_BUDGET:
             raise ValueError(f"adaptive budget bounds must satisfy 0 <= min <= max <= {MAX_BUDGET}, got "
                              f"{min_budget}..{max_budget}")
-        self.min_budget, self.max_budget, self.weight = min_budget, max_budget, weight
+        self.min_budget, self.max_budget, self.decay = min_budget, max_budget, decay
         # batch bucket -> tree bucket -> seconds
         self.verify_s: dict[int, dict[int, RecentCost]] = {}
         self.draft_s: dict[int, dict[int, RecentCost]] = {}
-        self.slopes: dict[str, Average] = {}
-        self.overall_slope = Average(weight)
+        self.slopes: dict[str, AcceptanceSlope] = {}
+        self.overall_slope = AcceptanceSlope(decay)
         self.prior_slope = prior_slope
         self.last_choice = 0
-        # After this many plain rounds in a row, one round speculates anyway: acceptance is only learnt from
-        # trees, and it changes along a request (a repetitive stretch, a new topic).
-        self.explore_every, self.plain_rounds = explore_every, 0
+        # After `explore_interval` plain rounds in a row, one round speculates anyway: acceptance is only learnt
+        # from trees, and it changes along a request (a repetitive stretch, a new topic). A try that does not
+        # win speculation back doubles the interval, so a drafter that never pays (its catch-up drafts are the
+        # dearest rounds) costs ever less; a round that speculates on its merits resets it.
+        self.explore_every, self.explore_interval, self.plain_rounds = explore_every, explore_every, 0
 
     # ------------------------------------------------------------------------------------------- observations
 
@@ -113,22 +128,24 @@ class AdaptiveSpeculation:
         """A round of this request with a tree of `budget` drafted nodes emitted `tokens` tokens."""
         if budget < 1:
             return
-        slope = max(0.0, tokens - 1) / math.log2(1 + budget)
-        self.slopes.setdefault(request_id, Average(self.weight)).add(slope)
-        self.overall_slope.add(slope)
+        accepted, log_budget = max(0, tokens - 1), math.log2(1 + budget)
+        self.slopes.setdefault(request_id, AcceptanceSlope(self.decay)).add(accepted, log_budget)
+        self.overall_slope.add(accepted, log_budget)
 
     def forget(self, request_id: str) -> None:
         self.slopes.pop(request_id, None)
 
     # ---------------------------------------------------------------------------------------------- estimates
 
+    def slope(self, request_id: str) -> float:
+        overall = self.overall_slope.value(self.prior_slope, self.PRIOR_WEIGHT)
+        own = self.slopes.get(request_id)
+        return own.value(overall, self.PRIOR_WEIGHT) if own is not None else overall
+
     def expected_tokens(self, request_id: str, budget: int) -> float:
         if budget < 1:
             return 1.0
-        own = self.slopes.get(request_id)
-        slope = own.value if own is not None else (
-            self.overall_slope.value if self.overall_slope.value is not None else self.prior_slope)
-        return 1.0 + slope * math.log2(1 + budget)
+        return min(1.0 + budget, 1.0 + self.slope(request_id) * math.log2(1 + budget))
 
     @staticmethod
     def _estimate(table: dict, batch: int, bucket: int) -> float | None:
@@ -179,11 +196,17 @@ class AdaptiveSpeculation:
                                  for request_id, own in budgets.items())
             rates[step] = tokens / max(seconds, 1e-9)
         best = max(rates, key=lambda step: (rates[step], -step))  # ties: the smaller tree
-        log.debug("adaptive: batch %d, expected tokens/s by budget %s", batch,
-                  {step: round(rate, 1) for step, rate in rates.items()})
-        self.plain_rounds = self.plain_rounds + 1 if best == 0 else 0
-        if best == 0 and self.plain_rounds >= self.explore_every and len(rates) > 1:
-            best = max((step for step in rates if step > 0), key=lambda step: rates[step])
-            self.plain_rounds = 0
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("adaptive: batch %d, mean slope %.2f, expected tokens/s by budget %s", batch,
+                      statistics.fmean(self.slope(request_id) for request_id in budgets),
+                      {step: round(rate, 1) for step, rate in rates.items()})
+        if best > 0:
+            self.plain_rounds, self.explore_interval = 0, self.explore_every
+        else:
+            self.plain_rounds += 1
+            if self.plain_rounds >= self.explore_interval and len(rates) > 1:
+                best = max((step for step in rates if step > 0), key=lambda step: rates[step])
+                self.plain_rounds = 0
+                self.explore_interval = min(2 * self.explore_interval, self.EXPLORE_AT_MOST)
         self.last_choice = best
         return best
