@@ -169,14 +169,15 @@ def run_bench(args) -> dict:
               "workload": args.workload if not args.prompts else None, "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "warmup": args.warmup, "runs": []}
     modes = [("plain", 0)] + [("speculative", budget) for budget in args.budgets]
-    if args.warmup:  # untimed: the first requests of a fresh stack pay one-off costs (allocations, first shapes)
-        concurrency = max(args.concurrency)
+    if args.warmup:  # untimed: a fresh verifier compiles kernels for the first shapes it meets (batch sizes,
+        # prompt lengths), seconds that would land in whichever run came first
         warm_params = dataclasses.replace(params, max_new_tokens=min(16, params.max_new_tokens))
-        for mode, budget in modes:
-            requests = build_requests(prompts, max(args.requests, concurrency), warm_params, mode == "speculative",
-                                      budget)
-            asyncio.run(run_level(args.address, requests, concurrency, args.timeout_s,
-                                  Progress(f"warm-up {mode}", len(requests), not args.quiet)))
+        for concurrency in args.concurrency:
+            for mode, budget in modes:
+                requests = build_requests(prompts, max(args.requests, concurrency), warm_params,
+                                          mode == "speculative", budget)
+                asyncio.run(run_level(args.address, requests, concurrency, args.timeout_s,
+                                      Progress(f"warm-up {mode} x{concurrency}", len(requests), not args.quiet)))
     for concurrency in args.concurrency:
         plain_outputs = None
         for mode, budget in modes:
@@ -270,7 +271,7 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     parser.add_argument("--budgets", type=ints, default=[16], help="tree budgets, comma-separated (default 16)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
-                        help="skip the untimed warm-up pass (each mode once, 16 tokens, at the largest concurrency)")
+                        help="skip the untimed warm-up (every mode at every concurrency, 16 new tokens)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     parser.add_argument("--verifier-metrics", metavar="HOST:PORT",
                         help="the verifier's --metrics-listen, for its round time by phase")

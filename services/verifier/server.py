@@ -244,9 +244,6 @@ class Scheduler:
         try:  # always the same feature layers: the CUDA graphs were captured computing them
             logits, features = await asyncio.to_thread(forward_batch, self.target.model, list(plans.values()),
                                                        self.feature_layer_ids, self.verifier)
-            if self.adaptive is not None and all(plan.tree is not None for plan in plans.values()):  # no prefill
-                self.adaptive.observe_verify(len(plans), max(plan.tree.size for plan in plans.values()),
-                                             time.perf_counter() - started)
         finally:
             self.round_in_flight = False
             for generation in self.release_after_round:
@@ -257,6 +254,12 @@ class Scheduler:
         index = {request_id: i for i, request_id in enumerate(plans)}
         committed_lists = commit_round([self.running[r].generation for r in alive], [plans[r] for r in alive],
                                        [logits[index[r]] for r in alive], [features[index[r]] for r in alive])
+        # The cost of verifying is only known here: the forward is launched asynchronously on a GPU, and
+        # commit_round waits for its results (timing the launch alone made trees look almost free and plain
+        # rounds several times cheaper than they are).
+        if self.adaptive is not None and all(plan.tree is not None for plan in plans.values()):  # no prefill
+            self.adaptive.observe_verify(len(plans), max(plan.tree.size for plan in plans.values()),
+                                         time.perf_counter() - started)
         for request_id, committed in zip(alive, committed_lists):
             entry, plan = self.running[request_id], plans[request_id]
             generation = entry.generation
