@@ -52,6 +52,7 @@ def test_greedy_runs_side_by_side(services, tmp_path):
         assert row["completed"] == 6 and row["errors"] == {} and row["output_tokens"] == 6 * 12
         assert row["ttft_ms"]["p50"] > 0 and row["itl_ms"]["p99"] >= row["itl_ms"]["p50"] > 0
         assert row["tokens_per_s"] > 0 and "verify" in row["round_ms"]
+        assert row["saturated_tokens_per_s"] > 0  # more requests than workers: a stretch with all of them busy
         if row["mode"] == "plain":
             assert row["tokens_per_round"] == 1.0
         else:
@@ -66,6 +67,7 @@ def test_sampled_chat_runs_are_lossless_too(services, tmp_path):
                    "--max-new-tokens", "10", "--temperature", "0.8")
     assert [r["mode"] for r in report["runs"]] == ["plain", "speculative"]
     assert [r["completed"] for r in report["runs"]] == [4, 4] and report["warmup"]  # warm-up runs not counted
+    assert report["runs"][1]["saturated_tokens_per_s"] is None  # one wave: no stretch before the drain
     assert report["runs"][1]["identical_to_plain"] == "4/4"
 
 

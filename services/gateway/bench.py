@@ -1,12 +1,14 @@
 """treeserve bench: load a running gateway at several concurrencies, speculative and plain side by side.
 
 For each concurrency C (and each tree budget), N requests go through the gateway with at most C in flight (a
-closed loop: a new request starts when one ends), first with speculation on, then with it off on the same
-stack, so every ratio is measured in one run. Per run: output tokens per second (over the run's wall time, and
-the mean of each request's own rate), time to the first token and inter-token latency (p50/p99), the mean
-tokens per verification round, the verifier's mean round time by phase (with --verifier-metrics), and errors
-by gRPC status. The JSON goes to --out, and a PNG plot beside it (tokens per second against concurrency; tokens
-per round against budget).
+closed loop: a new request starts when one ends), first with speculation off, then on, on the same stack, so
+every ratio is measured in one run. N defaults to four waves (4 C, at least 16): with a single wave the run
+lasts as long as its slowest request, and speculation, whose requests finish at different rounds, would be
+judged on its tail. Per run: output tokens per second (over the run's wall time; while all C were in flight,
+which leaves the final drain out; and the mean of each request's own rate), time to the first token and
+inter-token latency (p50/p99), the mean tokens per verification round, the verifier's mean round time by phase
+(with --verifier-metrics), and errors by gRPC status. The JSON goes to --out, and a PNG plot beside it (tokens
+per second against concurrency; tokens per round against budget).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class RequestResult:
     first_token_s: float | None = None
     elapsed_s: float = 0.0
     token_gaps_s: list[float] = dataclasses.field(default_factory=list)  # per token, between stream messages
+    arrivals: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (perf_counter, tokens) a message
     rounds: int = 0
     round_tokens: int = 0
     error: str | None = None
@@ -58,6 +61,7 @@ async def one_request(stub, request: gateway_pb2.GenerateRequest, timeout_s: flo
                     result.token_gaps_s += [(now - last) / len(reply.token_ids)] * len(reply.token_ids)
                 result.tokens += len(reply.token_ids)
                 result.token_ids += reply.token_ids
+                result.arrivals.append((now, len(reply.token_ids)))
                 last = now
             if reply.finish_reason:
                 result.rounds, result.round_tokens = reply.stats.rounds, reply.stats.round_tokens
@@ -67,9 +71,11 @@ async def one_request(stub, request: gateway_pb2.GenerateRequest, timeout_s: flo
     return result
 
 
-def summarize(results: list[RequestResult], wall_s: float) -> dict:
+def summarize(results: list[RequestResult], started: float, wall_s: float, saturated_s: float) -> dict:
+    """`saturated_s`: how long after `started` every worker still had a request (until the last was handed out)."""
     done = [r for r in results if r.error is None]
     tokens = sum(r.tokens for r in done)
+    saturated_tokens = sum(n for r in done for at, n in r.arrivals if at - started <= saturated_s)
     errors: dict[str, int] = {}
     for r in results:
         if r.error is not None:
@@ -81,6 +87,8 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
     return {
         "requests": len(results), "completed": len(done), "errors": errors, "output_tokens": tokens,
         "wall_s": round(wall_s, 3), "tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else 0.0,
+        # None for a single wave: every request was handed out at once, so there is no such stretch
+        "saturated_tokens_per_s": round(saturated_tokens / saturated_s, 2) if saturated_s > 0 else None,
         "per_request_tokens_per_s": round(statistics.mean(r.tokens / r.elapsed_s for r in done), 2) if done else 0.0,
         "ttft_ms": {"p50": ms(percentile(first, 50)), "p99": ms(percentile(first, 99))},
         "itl_ms": {"p50": ms(percentile(gaps, 50)), "p99": ms(percentile(gaps, 99))},
@@ -107,22 +115,27 @@ class Progress:
 
 
 async def run_level(address: str, requests: list[gateway_pb2.GenerateRequest], concurrency: int,
-                    timeout_s: float, progress: Progress) -> tuple[list[RequestResult], float]:
-    """Every request, at most `concurrency` in flight; returns the results (in request order) and the wall time."""
+                    timeout_s: float, progress: Progress) -> tuple[list[RequestResult], float, float, float]:
+    """Every request, at most `concurrency` in flight; returns the results (in request order), the start time,
+    the wall time, and how long every worker stayed busy (until the last request was handed out)."""
     async with grpc.aio.insecure_channel(normalize_address(address)) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         queue = list(enumerate(requests))
         results: list[RequestResult | None] = [None] * len(requests)
+        saturated_s = 0.0
 
         async def worker():
+            nonlocal saturated_s
             while queue:
                 index, request = queue.pop(0)
+                if not queue and len(requests) > concurrency:  # (a single wave is handed out at once)
+                    saturated_s = time.perf_counter() - started
                 results[index] = await one_request(stub, request, timeout_s)
                 progress.advance(results[index])
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)))))
-        return results, time.perf_counter() - started
+        return results, started, time.perf_counter() - started, saturated_s
 
 
 def build_requests(prompts: list[dict], count: int, params: GenerationParams, speculate: bool,
@@ -174,21 +187,21 @@ def run_bench(args) -> dict:
         warm_params = dataclasses.replace(params, max_new_tokens=min(16, params.max_new_tokens))
         for concurrency in args.concurrency:
             for mode, budget in modes:
-                requests = build_requests(prompts, max(args.requests, concurrency), warm_params,
+                requests = build_requests(prompts, requests_at(args.requests, concurrency), warm_params,
                                           mode == "speculative", budget)
                 asyncio.run(run_level(args.address, requests, concurrency, args.timeout_s,
                                       Progress(f"warm-up {mode} x{concurrency}", len(requests), not args.quiet)))
     for concurrency in args.concurrency:
         plain_outputs = None
         for mode, budget in modes:
-            # never fewer requests than the concurrency, or the level would not reach it
-            requests = build_requests(prompts, max(args.requests, concurrency), params, mode == "speculative",
-                                      budget)
+            requests = build_requests(prompts, requests_at(args.requests, concurrency), params,
+                                      mode == "speculative", budget)
             label = f"{mode}{f' budget {budget}' if budget else ''} x{concurrency}"
             before = round_totals(args.verifier_metrics) if args.verifier_metrics else None
-            results, wall_s = asyncio.run(run_level(args.address, requests, concurrency, args.timeout_s,
-                                                    Progress(label, len(requests), not args.quiet)))
-            row = {"mode": mode, "budget": budget, "concurrency": concurrency} | summarize(results, wall_s)
+            results, started, wall_s, saturated_s = asyncio.run(run_level(
+                args.address, requests, concurrency, args.timeout_s, Progress(label, len(requests), not args.quiet)))
+            row = {"mode": mode, "budget": budget, "concurrency": concurrency} | summarize(results, started, wall_s,
+                                                                                          saturated_s)
             outputs = [r.token_ids if r.error is None else None for r in results]
             if plain_outputs is None:
                 plain_outputs = outputs
@@ -206,6 +219,8 @@ def run_bench(args) -> dict:
         if row["mode"] == "speculative":
             plain = next(r for r in report["runs"] if r["mode"] == "plain" and r["concurrency"] == row["concurrency"])
             row["speedup"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else None
+            if row["saturated_tokens_per_s"] and plain["saturated_tokens_per_s"]:
+                row["saturated_speedup"] = round(row["saturated_tokens_per_s"] / plain["saturated_tokens_per_s"], 3)
     return report
 
 
@@ -251,6 +266,12 @@ def plot(report: dict, path: Path) -> bool:
     return True
 
 
+def requests_at(asked: int | None, concurrency: int) -> int:
+    """Requests in a run at this concurrency: four waves by default, never fewer than the concurrency (or the
+    run would not reach it)."""
+    return max(asked, concurrency) if asked is not None else max(16, 4 * concurrency)
+
+
 def int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -266,7 +287,8 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--prompts", help="a JSONL prompt file instead of --workload")
     parser.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64],
                         help="requests in flight, comma-separated (default 1,4,16,64)")
-    parser.add_argument("--requests", type=int, default=64, help="requests per run, at least the concurrency (default 64)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests per run, at least the concurrency (default: 4x the concurrency, at least 16)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     parser.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     parser.add_argument("--budgets", type=ints, default=[16], help="tree budgets, comma-separated (default 16)")
@@ -281,7 +303,7 @@ def add_bench_arguments(parser) -> None:
 
 
 def main_bench(args) -> int:
-    if args.requests < 1 or not args.concurrency or min(args.concurrency) < 1 or not args.budgets or min(
+    if (args.requests is not None and args.requests < 1) or not args.concurrency or min(args.concurrency) < 1 or not args.budgets or min(
             args.budgets) < 1 or args.max_new_tokens < 1:
         raise TreeserveError("--requests, --max-new-tokens, --concurrency and --budgets must be positive")
     report = run_bench(args)
@@ -294,6 +316,7 @@ def main_bench(args) -> int:
         print(f"{row['mode']:11s}{budget:10s} x{row['concurrency']:<3d} {row['tokens_per_s']:9.1f} tok/s  "
               f"ttft p50 {row['ttft_ms']['p50']} ms  itl p50 {row['itl_ms']['p50']} ms  "
               f"tokens/round {row['tokens_per_round']}  errors {row['errors'] or 0}"
-              + (f"  x{row['speedup']} vs plain, identical {row['identical_to_plain']}" if "speedup" in row else ""))
+              + (f"  x{row['speedup']} vs plain (x{row.get('saturated_speedup')} while saturated), identical "
+                 f"{row['identical_to_plain']}" if "speedup" in row else ""))
     print(f"wrote {out}" + (f" and {picture}" if plotted else " (no plot: matplotlib is not installed)"))
     return 0
