@@ -13,7 +13,7 @@ import torch
 from random_targets import RandomTreeDrafter, random_target, word_tokenizer
 from treeserve.models import KVCache, TreeAttention
 from treeserve.params import GenerationParams
-from treeserve.sampling import counter_uniforms, target_probs
+from treeserve.sampling import counter_uniforms, pick_tokens, target_probs
 from treeserve.verifier import engine, generate
 from treeserve.verifier.acceptance import walk_tree
 
@@ -153,3 +153,25 @@ def test_target_probs_match_a_naive_implementation(temperature, top_k, top_p):
     probs = target_probs(logits, params).numpy()
     for row in range(4):
         np.testing.assert_allclose(probs[row], naive_probs(logits[row], temperature, top_k, top_p), atol=1e-12)
+
+
+def test_a_round_picks_each_request_as_it_would_alone():
+    # One round, requests of three sampling settings interleaved (greedy, 0.7, 1.2 with top-k and top-p):
+    # picked together by setting, each request's tokens are the ones it gets picked on its own.
+    class Request:
+        def __init__(self, params, seed, counters):
+            self.params, self.seed, self.counters = params, seed, counters
+
+        def pick_counters(self, plan):
+            return self.counters
+
+    settings = [GenerationParams(), GenerationParams(temperature=0.7),
+                GenerationParams(temperature=1.2, top_k=20, top_p=0.9)]
+    generator = torch.Generator().manual_seed(0)
+    requests = [Request(settings[i % 3], seed=1000 + i, counters=list(range(i, i + 1 + i % 4))) for i in range(9)]
+    logits = [torch.randn(len(r.counters), 50, generator=generator) * 3 for r in requests]
+    together = engine.pick_round(requests, [None] * len(requests), logits)
+    for request, rows, picked in zip(requests, logits, together):
+        alone = pick_tokens(rows, request.params, request.seed, np.asarray(request.counters))
+        assert picked.tolist() == alone.tolist()
+    assert len({tuple(p.tolist()) for p in together}) > 3  # the draws differ by request

@@ -20,10 +20,12 @@ def random_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1
 
 
-def counter_uniforms(seed: int, indices: np.ndarray) -> np.ndarray:
-    """Uniform floats in [0, 1), one per output index, from splitmix64(seed, index)."""
+def counter_uniforms(seeds: int | np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """Uniform floats in [0, 1), one per output index, from splitmix64(seed, index); `seeds` is one seed or one
+    per index (several requests' rows at once)."""
     with np.errstate(over="ignore"):
-        x = np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) + indices.astype(np.uint64) + np.uint64(1)
+        x = (np.asarray(seeds, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + indices.astype(np.uint64)
+             + np.uint64(1))
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         x = x ^ (x >> np.uint64(31))
@@ -46,14 +48,22 @@ def target_probs(logits: torch.Tensor, params: GenerationParams) -> torch.Tensor
     return probs
 
 
-def pick_tokens(logits: torch.Tensor, params: GenerationParams, seed: int, output_indices: list[int]) -> torch.Tensor:
+def sampling_setting(params: GenerationParams) -> tuple:
+    """What the choice depends on besides the logits and the draws: requests that share it are picked together."""
+    return () if params.greedy else (params.temperature, params.top_k, params.top_p)
+
+
+def pick_tokens(logits: torch.Tensor, params: GenerationParams, seeds: int | np.ndarray,
+                output_indices: np.ndarray) -> torch.Tensor:
     """The target's choice at each of N scored positions, left on the logits' device (the caller moves a whole
-    round's picks to the host at once); output_indices[i] is which generated token row i decides (its counter
-    for sampling)."""
+    round's picks to the host at once). Row i belongs to a request with seed `seeds[i]` (or `seeds` for all)
+    and decides its generated token `output_indices[i]` (the draw's counter). The rows may come from several
+    requests of one `sampling_setting`: every operation is per row, so each row's pick is the one it would get
+    alone, and a batch costs one set of kernels instead of one per request."""
     if params.greedy:
         return logits.argmax(dim=-1)
     probs = target_probs(logits, params)
     cdf = torch.cumsum(probs, dim=-1)
-    u = torch.from_numpy(counter_uniforms(seed, np.asarray(output_indices))).to(cdf.device, non_blocking=True)
+    u = torch.from_numpy(counter_uniforms(seeds, np.asarray(output_indices))).to(cdf.device, non_blocking=True)
     picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     return picks.clamp_(max=probs.shape[-1] - 1)
