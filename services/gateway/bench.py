@@ -303,8 +303,8 @@ def add_bench_arguments(parser) -> None:
 
 
 def main_bench(args) -> int:
-    if (args.requests is not None and args.requests < 1) or not args.concurrency or min(args.concurrency) < 1 or not args.budgets or min(
-            args.budgets) < 1 or args.max_new_tokens < 1:
+    counts = [args.max_new_tokens, *args.concurrency, *args.budgets] + ([args.requests] if args.requests else [])
+    if not args.concurrency or not args.budgets or args.requests == 0 or min(counts) < 1:
         raise TreeserveError("--requests, --max-new-tokens, --concurrency and --budgets must be positive")
     report = run_bench(args)
     out = Path(args.out)
