@@ -53,13 +53,14 @@ def sampling_setting(params: GenerationParams) -> tuple:
     return () if params.greedy else (params.temperature, params.top_k, params.top_p)
 
 
-def pick_tokens(logits: torch.Tensor, params: GenerationParams, seeds: int | np.ndarray,
-                output_indices: np.ndarray) -> torch.Tensor:
+def pick_tokens(logits: torch.Tensor, params: GenerationParams, seeds: int | np.ndarray | None,
+                output_indices: np.ndarray | None) -> torch.Tensor:
     """The target's choice at each of N scored positions, left on the logits' device (the caller moves a whole
     round's picks to the host at once). Row i belongs to a request with seed `seeds[i]` (or `seeds` for all)
-    and decides its generated token `output_indices[i]` (the draw's counter). The rows may come from several
-    requests of one `sampling_setting`: every operation is per row, so each row's pick is the one it would get
-    alone, and a batch costs one set of kernels instead of one per request."""
+    and decides its generated token `output_indices[i]` (the draw's counter; both unused when greedy, and may be
+    None then). The rows may come from several requests of one `sampling_setting`: every operation is per row,
+    so each row's pick is the one it would get alone, and a batch costs one set of kernels instead of one per
+    request."""
     if params.greedy:
         return logits.argmax(dim=-1)
     probs = target_probs(logits, params)

@@ -158,13 +158,16 @@ def pick_round(generations: list["Generation"], plans: list[ForwardPlan], logits
     for i, generation in enumerate(generations):
         groups.setdefault(sampling_setting(generation.params), []).append(i)
     picks: list[torch.Tensor | None] = [None] * len(generations)
-    for members in groups.values():
-        counters = [generations[i].pick_counters(plans[i]) for i in members]
-        seeds = np.repeat(np.asarray([generations[i].seed for i in members], dtype=np.uint64),
-                          [len(c) for c in counters])
+    for setting, members in groups.items():
+        sizes = [logits[i].shape[0] for i in members]
         rows = logits[members[0]] if len(members) == 1 else torch.cat([logits[i] for i in members])
-        chosen = pick_tokens(rows, generations[members[0]].params, seeds, np.concatenate(counters))
-        for i, part in zip(members, chosen.split([len(c) for c in counters])):
+        params = generations[members[0]].params
+        seeds = counters = None  # greedy needs no draws
+        if setting:  # sampled: each row's draw from its request's seed and counter
+            seeds = np.repeat(np.asarray([generations[i].seed for i in members], dtype=np.uint64), sizes)
+            counters = np.concatenate([generations[i].pick_counters(plans[i]) for i in members])
+        chosen = pick_tokens(rows, params, seeds, counters)
+        for i, part in zip(members, chosen.split(sizes)):
             picks[i] = part
     return picks
 
