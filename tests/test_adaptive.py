@@ -86,6 +86,22 @@ def test_a_stretch_of_misses_does_not_stop_trees_that_pay_on_average():
     assert adaptive.choose({"a": 16}, batch=1) == 0
 
 
+def test_a_batch_size_without_drafts_borrows_the_nearest_drafting_cost():
+    adaptive = AdaptiveSpeculation()
+    ids = [f"r{i}" for i in range(32)]
+    costs(adaptive, 16, {1: 4.0, 17: 5.0}, draft_ms=20.0)  # drafts timed at 16 requests: 20 ms
+    costs(adaptive, 32, {1: 5.0, 17: 6.0})  # 32 requests: verification timed, drafts never
+    del adaptive.draft_s[32]
+    accept(adaptive, ids, 16, 2)  # about 2 tokens a round at budget 16
+    # With free drafts, 64 tokens in 6 ms would beat 32 in 5 ms; with 16 requests' 20 ms they do not.
+    assert adaptive.choose({i: 16 for i in ids}, batch=32) == 0
+    fresh = AdaptiveSpeculation()  # no draft ever timed: the first tree is tried
+    costs(fresh, 32, {1: 5.0, 17: 6.0}, samples=RecentCost.SETTLED)
+    fresh.draft_s.clear()
+    accept(fresh, ids, 16, 2)
+    assert fresh.choose({i: 16 for i in ids}, batch=32) > 0
+
+
 def test_a_round_emits_at_most_its_budget_plus_one():
     adaptive = AdaptiveSpeculation()
     accept(adaptive, ["a"], 4, 5)  # every drafted token accepted: a slope above 1

@@ -172,7 +172,19 @@ class AdaptiveSpeculation:
             return None
         if budget == 0:
             return verify
-        return verify + (self._estimate(self.draft_s, batch, tree_bucket(budget + 1)) or 0.0)
+        return verify + self._draft_estimate(batch, tree_bucket(budget + 1))
+
+    def _draft_estimate(self, batch: int, bucket: int) -> float:
+        """The drafter's cost for this batch and tree bucket. A batch size whose drafts were never timed takes
+        the figure of the nearest batch size that was (the smaller on a tie), not zero: the batch changes as
+        requests come and go, and a draft assumed free made each new batch size try trees whatever they cost (a
+        DFlash draft at 64 requests on the H200: 20-80 ms). Zero only before any draft was timed."""
+        own = self._estimate(self.draft_s, batch, bucket)
+        if own is not None:
+            return own
+        others = sorted(self.draft_s, key=lambda size: (abs(math.log2(size / batch)), size))
+        return next((cost for size in others if (cost := self._estimate(self.draft_s, size, bucket)) is not None),
+                    0.0)
 
     # --------------------------------------------------------------------------------------------------- choice
 
