@@ -102,6 +102,23 @@ def test_a_batch_size_without_drafts_borrows_the_nearest_drafting_cost():
     assert fresh.choose({i: 16 for i in ids}, batch=32) > 0
 
 
+def test_graph_timings_price_unsettled_trees_on_top_of_measured_rounds():
+    # Say a graph's replay alone is a fraction of a round (0.5 ms of a 2 ms plain round: the rest is host work). An
+    # unsettled 17-node bucket costs the plain round plus the graphs' difference, not its bare replay.
+    adaptive = AdaptiveSpeculation()
+    for nodes, ms in {1: 0.5, 17: 0.7, 129: 2.0}.items():
+        adaptive.observe_graph(1, nodes, ms / 1000)
+    costs(adaptive, 1, {1: 2.0}, draft_ms=1.0)
+    assert adaptive.round_seconds(1, 16) == pytest.approx((2.0 + 0.2 + 1.0) / 1000)
+    assert adaptive.round_seconds(1, 128) == pytest.approx((2.0 + 1.5 + 1.0) / 1000)
+    # Trees that break even against that price are not taken on the bare replay's promise.
+    accept(adaptive, ["a"], 16, 1, rounds=40)  # nothing accepted: trees never pay
+    assert adaptive.choose({"a": 16}, batch=1) == 0
+    # Once the bucket's own rounds settle, they are its cost.
+    costs(adaptive, 1, {17: 2.6}, draft_ms=1.0)
+    assert adaptive.round_seconds(1, 16) == pytest.approx((2.6 + 1.0) / 1000)
+
+
 def test_a_round_emits_at_most_its_budget_plus_one():
     adaptive = AdaptiveSpeculation()
     accept(adaptive, ["a"], 4, 5)  # every drafted token accepted: a slope above 1

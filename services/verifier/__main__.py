@@ -117,9 +117,9 @@ async def serve(args, shard=None, followers=()) -> None:
         await scheduler.connect(link)
     if verifier.use_graphs:  # after the drafters: the graphs compute the features they asked for
         await asyncio.to_thread(verifier.capture, scheduler.feature_layer_ids)
-        if adaptive is not None and verifier.mirror is None:  # every bucket's cost known from the start
+        if adaptive is not None and verifier.mirror is None:  # what each tree size adds, known from the start
             for (batch, rows), seconds in (await asyncio.to_thread(verifier.runner.time_graphs)).items():
-                adaptive.observe_verify(batch, rows, seconds)
+                adaptive.observe_graph(batch, rows, seconds)
     scheduler_task = asyncio.ensure_future(scheduler.run())
     await service.set_serving(True)
     log.info("verifier ready: %s on %s, drafters: %s", args.target, args.device,

@@ -8,8 +8,9 @@ b + 1. The slope s is learnt per request as a ratio of decaying sums (tokens acc
 log2(1 + b)), shrunk towards the same ratio over all requests: acceptance comes in bursts (a stretch that copies
 the prompt, then misses), and an average of per-round slopes swings with each burst where a ratio of sums
 does not. Costs are learnt per (batch bucket, tree bucket) from the rounds themselves (the median of the last
-few), or measured up front by replaying the CUDA graphs; a bucket not yet measured a few times costs at most what
-the nearest smaller one measured, so a larger tree is tried before it is judged.
+few). Until a bucket has a few, its cost is the nearest settled bucket's plus the difference between their CUDA
+graphs, timed at start-up; without graph timings it costs at most what the nearest smaller one measured, so a
+larger tree is tried before it is judged.
 
 So the choice is one budget T for the round (0: plain decoding, no drafter call): each speculating request drafts
 min(T, its own budget), and
@@ -100,6 +101,7 @@ class AdaptiveSpeculation:
         # batch bucket -> tree bucket -> seconds
         self.verify_s: dict[int, dict[int, RecentCost]] = {}
         self.draft_s: dict[int, dict[int, RecentCost]] = {}
+        self.graph_s: dict[int, dict[int, float]] = {}  # each captured graph's replay alone, timed at start-up
         self.slopes: dict[str, AcceptanceSlope] = {}
         self.overall_slope = AcceptanceSlope(decay)
         self.prior_slope = prior_slope
@@ -119,6 +121,11 @@ class AdaptiveSpeculation:
     def observe_verify(self, batch: int, nodes: int, seconds: float) -> None:
         """A verification of `batch` requests whose largest tree had `nodes` nodes (1: plain decoding)."""
         self._add(self.verify_s, batch, nodes, seconds)
+
+    def observe_graph(self, batch: int, nodes: int, seconds: float) -> None:
+        """A captured graph's replay, timed alone at start-up: device time only, without the host work of a real
+        round (staging, picking, committing), so it prices the difference between tree sizes, not a round."""
+        self.graph_s.setdefault(batch_bucket(batch), {})[tree_bucket(nodes)] = seconds
 
     def observe_draft(self, batch: int, budget: int, seconds: float) -> None:
         """A drafter round trip for `batch` requests at round budget `budget`."""
@@ -167,12 +174,26 @@ class AdaptiveSpeculation:
     def round_seconds(self, batch: int, budget: int) -> float | None:
         """Estimated time of one round of `batch` requests at round budget `budget`; None when unknown."""
         batch = batch_bucket(batch)
-        verify = self._estimate(self.verify_s, batch, tree_bucket(budget + 1))
+        verify = self._verify_estimate(batch, tree_bucket(budget + 1))
         if verify is None:
             return None
         if budget == 0:
             return verify
         return verify + self._draft_estimate(batch, tree_bucket(budget + 1))
+
+    def _verify_estimate(self, batch: int, bucket: int) -> float | None:
+        """A verification's cost at this batch and tree bucket: its own rounds once settled. Before that, with
+        start-up graph timings, the nearest settled bucket's rounds plus the graphs' difference: a round's host
+        work hardly depends on the tree, and a graph's replay alone (a fraction of a round at SmolLM2's size)
+        would make every unsettled tree look almost free. Without them, the optimistic `_estimate`."""
+        row, graphs = self.verify_s.get(batch, {}), self.graph_s.get(batch, {})
+        if bucket in row and row[bucket].settled:
+            return row[bucket].value
+        settled = [size for size in row if row[size].settled and size in graphs]
+        if bucket in graphs and settled:
+            nearest = min(settled, key=lambda size: (abs(size - bucket), size))
+            return row[nearest].value + graphs[bucket] - graphs[nearest]
+        return self._estimate(self.verify_s, batch, bucket)
 
     def _draft_estimate(self, batch: int, bucket: int) -> float:
         """The drafter's cost for this batch and tree bucket. A batch size whose drafts were never timed takes
