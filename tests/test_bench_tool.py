@@ -81,3 +81,28 @@ def test_bad_flags_and_a_missing_gateway_are_one_line(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1
     done = run("--address", "localhost:1", "--concurrency", "1,x")
     assert done.returncode == 2 and "expected comma-separated integers" in done.stderr
+
+
+def test_bench_stacks_makes_the_tables_in_one_command(tmp_path):
+    # The n-gram stack on the tiny model (a DFlash drafter needs a checkpoint for its target): started, benched
+    # at two concurrencies, stopped, and its row in tables.md.
+    model = tiny_models.write_hf_folder("qwen3", tmp_path / "model", seed=0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "tables"
+    done = subprocess.run([sys.executable, "-m", "treeserve.gateway.bench_stacks", "--out-dir", str(out), "--target",
+                           str(model), "--drafters", "ngram", "--prompts", str(prompts), "--temperatures", "0",
+                           "--concurrency", "1,2", "--requests", "3", "--max-new-tokens", "8", "--budget", "4",
+                           "--metrics-port", "19481"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "ngram-prompts-t0.json").read_text())
+    assert [(r["mode"], r["concurrency"]) for r in report["runs"]] == [
+        ("plain", 1), ("speculative", 1), ("plain", 2), ("speculative", 2)]
+    assert all(r["identical_to_plain"] == "3/3" for r in report["runs"] if r["mode"] == "speculative")
+    tables = (out / "tables.md").read_text()
+    assert "### prompts, temperature 0" in tables and "| plain (ngram) | ngram |" in tables
+    assert tables.count("identical 3/3") == 2
+    assert not list((out / "runtime-ngram").glob("*.sock"))  # the stack was stopped
+    bad = subprocess.run([sys.executable, "-m", "treeserve.gateway.bench_stacks", "--out-dir", str(out),
+                          "--drafters", "eagle"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--drafters: unknown eagle" in bad.stderr

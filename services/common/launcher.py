@@ -89,6 +89,32 @@ class Stack:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 process.kill()
+        for path in self.runtime.glob("*.sock"):
+            path.unlink(missing_ok=True)
+
+
+def start_stack(stack: Stack, args) -> str:
+    """Start drafter (unless `args.drafter` is none), verifier and gateway with `treeserve up`'s settings in
+    `args`, wait until all serve; returns the gateway's address."""
+    verifier_args = ["--target", args.target, "--device", args.device, "--dtype", args.dtype,
+                     "--default-budget", str(args.budget), "--grace-s", str(args.grace_s), "--tp", str(args.tp),
+                     "--speculation", args.speculation]
+    if args.verifier_metrics:
+        verifier_args += ["--metrics-listen", args.verifier_metrics]
+    if args.drafter != "none":
+        drafter_args = ["--kind", args.drafter, "--grace-s", str(args.grace_s), "--tree", args.tree,
+                        "--target", args.target, "--device", args.device, "--dtype", args.dtype]
+        if args.drafter_path:
+            drafter_args += ["--drafter-path", args.drafter_path]
+        verifier_args += ["--drafter", stack.start("drafter", drafter_args)]
+        # A verifier learns at its drafter's connection which target features to keep; a request it takes
+        # before then can never be drafted by a DFlash drafter. So the drafter serves first.
+        stack.wait_serving(args.start_timeout_s)
+    verifier = stack.start("verifier", verifier_args)
+    gateway = stack.start("gateway", ["--target", args.target, "--verifier", verifier,
+                                      "--grace-s", str(args.grace_s)])
+    stack.wait_serving(args.start_timeout_s)
+    return gateway
 
 
 def run_up(args) -> int:
@@ -99,24 +125,7 @@ def run_up(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
     try:
-        verifier_args = ["--target", args.target, "--device", args.device, "--dtype", args.dtype,
-                         "--default-budget", str(args.budget), "--grace-s", str(args.grace_s), "--tp", str(args.tp),
-                         "--speculation", args.speculation]
-        if args.verifier_metrics:
-            verifier_args += ["--metrics-listen", args.verifier_metrics]
-        if args.drafter != "none":
-            drafter_args = ["--kind", args.drafter, "--grace-s", str(args.grace_s), "--tree", args.tree,
-                            "--target", args.target, "--device", args.device, "--dtype", args.dtype]
-            if args.drafter_path:
-                drafter_args += ["--drafter-path", args.drafter_path]
-            verifier_args += ["--drafter", stack.start("drafter", drafter_args)]
-            # A verifier learns at its drafter's connection which target features to keep; a request it takes
-            # before then can never be drafted by a DFlash drafter. So the drafter serves first.
-            stack.wait_serving(args.start_timeout_s)
-        verifier = stack.start("verifier", verifier_args)
-        gateway = stack.start("gateway", ["--target", args.target, "--verifier", verifier,
-                                          "--grace-s", str(args.grace_s)])
-        stack.wait_serving(args.start_timeout_s)
+        gateway = start_stack(stack, args)
         print(f"gateway: {gateway}", flush=True)
         print(f"(logs in {runtime}; Ctrl-C stops all)", file=sys.stderr, flush=True)
         if args.demo_prompt:
@@ -132,5 +141,3 @@ def run_up(args) -> int:
     finally:
         print("stopping ...", file=sys.stderr, flush=True)
         stack.stop(args.grace_s)
-        for path in runtime.glob("*.sock"):
-            path.unlink(missing_ok=True)
