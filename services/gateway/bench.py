@@ -40,29 +40,32 @@ class RequestResult:
     tokens: int = 0
     first_token_s: float | None = None
     elapsed_s: float = 0.0
-    token_gaps_s: list[float] = dataclasses.field(default_factory=list)  # per token, between stream messages
     arrivals: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (perf_counter, tokens) a message
     rounds: int = 0
     round_tokens: int = 0
     error: str | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
 
+    @property
+    def token_gaps_s(self) -> list[float]:
+        """Per token after the first message: a message of k tokens waited (its time - the previous one's), and
+        each of its tokens a k-th of that."""
+        return [(at - before) / n for (before, _), (at, n) in zip(self.arrivals, self.arrivals[1:])
+                for _ in range(n)]
+
 
 async def one_request(stub, request: gateway_pb2.GenerateRequest, timeout_s: float) -> RequestResult:
     result = RequestResult()
-    started = last = time.perf_counter()
+    started = time.perf_counter()
     try:
         async for reply in stub.Generate(request, timeout=timeout_s):
             now = time.perf_counter()
             if reply.token_ids:
                 if result.first_token_s is None:
                     result.first_token_s = now - started
-                else:  # a message of k tokens: each of them waited (now - last) / k
-                    result.token_gaps_s += [(now - last) / len(reply.token_ids)] * len(reply.token_ids)
                 result.tokens += len(reply.token_ids)
                 result.token_ids += reply.token_ids
                 result.arrivals.append((now, len(reply.token_ids)))
-                last = now
             if reply.finish_reason:
                 result.rounds, result.round_tokens = reply.stats.rounds, reply.stats.round_tokens
     except grpc.aio.AioRpcError as error:

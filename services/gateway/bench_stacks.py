@@ -14,9 +14,7 @@ import sys
 from pathlib import Path
 
 from treeserve.errors import TreeserveError
-
-# name -> (the drafter service's --kind, its --tree)
-DRAFTERS = {"ngram": ("ngram", "chain"), "dflash-chain": ("dflash", "chain"), "dflash-ddtree": ("dflash", "ddtree")}
+from treeserve.verifier.stack_bench import DRAFTER_CONFIGS as DRAFTERS  # name -> (drafter --kind, --tree)
 
 
 def bench_name(drafter: str, workload: str, temperature: float) -> str:

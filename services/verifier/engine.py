@@ -280,7 +280,7 @@ class Generation:
         return [done + d for d in depths]
 
     def apply(self, plan: ForwardPlan, choices: list[int], features: torch.Tensor | None = None) -> list[int]:
-        """Commit what the target's `choices` (from `pick`) accept. `features`: the plan's per-token hidden
+        """Commit what the target's `choices` (from `pick_round`) accept. `features`: the plan's per-token hidden
         states, when the generation has feature layers."""
         if plan.tree is None:  # prefill: the whole prompt is committed, its last row gives the first token
             kept = list(range(len(plan.tokens)))
