@@ -24,7 +24,8 @@ def test_up_client_and_shutdown(tmp_path):
     target = str(tiny_models.write_hf_folder("qwen3", tmp_path / "model", seed=0))
     runtime = tmp_path / "run"
     up = subprocess.Popen([sys.executable, "-m", "treeserve", "up", "--target", target, "--runtime-dir", str(runtime),
-                           "--grace-s", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           "--grace-s", "2", "--max-batch", "4", "--cuda-graphs", "off"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = up.stdout.readline()  # printed once all three serve
         assert line.startswith("gateway: unix://"), (line, up.stderr.read() if up.poll() is not None else "")
@@ -48,3 +49,15 @@ def test_up_client_and_shutdown(tmp_path):
         code = up.wait(timeout=60)
     assert code == 0 and time.monotonic() - started < 30
     assert not list(runtime.glob("*.sock"))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-batch", "0"], "--max-batch must be at least 1, got 0"),
+    (["--cuda-graphs", "on"], "--cuda-graphs on needs --device cuda"),
+    (["--budget", "200"], "--budget must be between 1 and 128"),
+])
+def test_up_refuses_bad_flags_before_starting_anything(tmp_path, flags, message):
+    runtime = tmp_path / "run"
+    done = treeserve("up", "--target", "no-such-model-is-loaded", "--runtime-dir", str(runtime), *flags)
+    assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr
+    assert not list(runtime.glob("*.log"))  # no service was started

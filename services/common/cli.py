@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     up.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     up.add_argument("--tp", type=int, default=1, help="the verifier's tensor-parallel ranks (default 1)")
+    up.add_argument("--max-batch", type=int, default=64,
+                    help="requests per verification round at most, and what the CUDA graphs cover (default 64)")
+    up.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                    help="replay the verifier's and the DFlash drafter's forwards from CUDA graphs: auto (on with "
+                         "--device cuda), on, off (for debugging)")
     up.add_argument("--speculation", choices=("fixed", "adaptive"), default="fixed",
                     help="the verifier's: fixed (every request drafts its budget) or adaptive (each round's budget "
                          "chosen for tokens per second, 0 = plain decoding); default fixed")
@@ -218,13 +223,18 @@ def stream_text(generation) -> None:
         sys.stdout.flush()
 
 
-def run_generate(args) -> int:
+def check_budget_tp_graphs(args) -> None:
+    """The checks `generate` and `up` share, made once before anything loads."""
     if not 1 <= args.budget <= MAX_BUDGET:
         raise TreeserveError(f"--budget must be between 1 and {MAX_BUDGET}, got {args.budget}")
     if args.tp < 1:
         raise TreeserveError(f"--tp must be at least 1, got {args.tp}")
     if args.cuda_graphs == "on" and (args.device != "cuda" or args.tp > 1):
         raise TreeserveError("--cuda-graphs on needs --device cuda and --tp 1 (graphs under --tp are not built yet)")
+
+
+def run_generate(args) -> int:
+    check_budget_tp_graphs(args)
     if args.tp == 1:
         return generate_on_rank(args, None)
     generation_params(args)  # bad input fails here once, not once per rank
@@ -320,10 +330,9 @@ def run_client(args) -> int:
 
 
 def run_up_command(args) -> int:
-    if not 1 <= args.budget <= MAX_BUDGET:
-        raise TreeserveError(f"--budget must be between 1 and {MAX_BUDGET}, got {args.budget}")
-    if args.tp < 1:
-        raise TreeserveError(f"--tp must be at least 1, got {args.tp}")
+    check_budget_tp_graphs(args)
+    if args.max_batch < 1:
+        raise TreeserveError(f"--max-batch must be at least 1, got {args.max_batch}")
     args.drafter = resolved_drafter(args)
     if args.drafter == "model" and not args.drafter_path:
         raise TreeserveError("--drafter model needs --drafter-path")

@@ -96,14 +96,14 @@ class Stack:
 def start_stack(stack: Stack, args) -> str:
     """Start drafter (unless `args.drafter` is none), verifier and gateway with `treeserve up`'s settings in
     `args`, wait until all serve; returns the gateway's address."""
-    verifier_args = ["--target", args.target, "--device", args.device, "--dtype", args.dtype,
-                     "--default-budget", str(args.budget), "--grace-s", str(args.grace_s), "--tp", str(args.tp),
+    common = ["--target", args.target, "--device", args.device, "--dtype", args.dtype, "--grace-s", str(args.grace_s),
+              "--max-batch", str(args.max_batch), "--cuda-graphs", args.cuda_graphs]
+    verifier_args = [*common, "--default-budget", str(args.budget), "--tp", str(args.tp),
                      "--speculation", args.speculation]
     if args.verifier_metrics:
         verifier_args += ["--metrics-listen", args.verifier_metrics]
     if args.drafter != "none":
-        drafter_args = ["--kind", args.drafter, "--grace-s", str(args.grace_s), "--tree", args.tree,
-                        "--target", args.target, "--device", args.device, "--dtype", args.dtype]
+        drafter_args = [*common, "--kind", args.drafter, "--tree", args.tree]
         if args.drafter_path:
             drafter_args += ["--drafter-path", args.drafter_path]
         verifier_args += ["--drafter", stack.start("drafter", drafter_args)]

@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         runtime.mkdir(exist_ok=True)
         up = argparse.Namespace(target=args.target, drafter=kind, drafter_path=None, tree=tree, budget=args.budget,
                                 device=args.device, dtype=args.dtype, tp=1, speculation=args.speculation,
+                                max_batch=64, cuda_graphs="auto",
                                 verifier_metrics=f"127.0.0.1:{args.metrics_port}", grace_s=2.0,
                                 start_timeout_s=args.start_timeout_s)
         stack = Stack(runtime)

@@ -9,6 +9,7 @@ of each mode, and every speculative output is compared with it token for token. 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import shlex
@@ -19,6 +20,7 @@ from pathlib import Path
 from treeserve.cli import OneLineErrorParser
 from treeserve.drafter.corpus import read_prompts
 from treeserve.errors import TreeserveError
+from treeserve import launcher
 from treeserve.launcher import Stack
 from treeserve.params import GenerationParams
 from treeserve.serving import free_port
@@ -43,23 +45,19 @@ async def run_requests(gateway: str, prompts: list[dict], params: GenerationPara
             "tokens_per_s": round(tokens / elapsed, 2), "tokens_per_round": round(tokens / max(1, rounds), 3)}
 
 
-def start_stack(runtime: Path, args, kind: str, tree: str, graphs: str, metrics_address: str
-                ) -> tuple[Stack, str]:
+def start_graphs_stack(runtime: Path, args, kind: str, tree: str, graphs: str, metrics_address: str
+                       ) -> tuple[Stack, str]:
+    """The stack as `treeserve up` starts it, with graphs `on` or `off` in both the verifier and the drafter."""
     stack = Stack(runtime)
-    common = ["--target", args.target, "--device", args.device, "--dtype", args.dtype]
-    drafter_args = ["--kind", kind, "--tree", tree, *common]
-    if kind == "dflash":  # the DFlash drafter's block forward runs from graphs too, or not
-        drafter_args += ["--cuda-graphs", graphs, "--max-batch", str(args.max_batch)]
-        if args.drafter_path:
-            drafter_args += ["--drafter-path", args.drafter_path]
-    drafter = stack.start("drafter", drafter_args)
-    stack.wait_serving(args.start_timeout_s)
-    verifier = stack.start("verifier", [*common, "--drafter", drafter, "--default-budget", str(args.budget),
-                                        "--cuda-graphs", graphs, "--max-batch", str(args.max_batch),
-                                        "--metrics-listen", metrics_address])
-    gateway = stack.start("gateway", ["--target", args.target, "--verifier", verifier])
-    stack.wait_serving(args.start_timeout_s)
-    return stack, gateway
+    up = argparse.Namespace(target=args.target, drafter=kind, drafter_path=args.drafter_path, tree=tree,
+                            budget=args.budget, device=args.device, dtype=args.dtype, tp=1, speculation="fixed",
+                            max_batch=args.max_batch, cuda_graphs=graphs, verifier_metrics=metrics_address,
+                            grace_s=2.0, start_timeout_s=args.start_timeout_s)
+    try:
+        return stack, launcher.start_stack(stack, up)
+    except BaseException:  # a service that failed to start: stop the others
+        stack.stop(up.grace_s)
+        raise
 
 
 def parse_args(argv=None):
@@ -109,7 +107,8 @@ def main(argv=None) -> int:
                     raise TreeserveError(f"unknown drafter configuration {name!r}")
                 metrics_address = f"127.0.0.1:{free_port()}"
                 with tempfile.TemporaryDirectory(prefix="treeserve-bench-") as runtime:
-                    stack, gateway = start_stack(Path(runtime), args, *DRAFTER_CONFIGS[name], graphs, metrics_address)
+                    stack, gateway = start_graphs_stack(Path(runtime), args, *DRAFTER_CONFIGS[name], graphs,
+                                                        metrics_address)
                     try:
                         # Untimed: the first requests of a fresh stack compile kernels and pick GEMM algorithms.
                         asyncio.run(run_requests(gateway, prompts[:1], GenerationParams(max_new_tokens=16), True))
