@@ -263,3 +263,29 @@ def test_model_over_the_paged_cache_equals_the_contiguous_cache(kernels):
     held = sum(len(s.blocks) for s in sequences)
     assert held == sum(-(-s.length // 4) for s in sequences)
     assert paged.allocator.free_count == 24 - held
+
+
+def test_prefill_warm_up_leaves_the_pool_as_it_was(monkeypatch):
+    """The verifier's start-up prefills (which compile the prefill kernels) run through the kernels, and leave
+    every block free that was free, and a committed request's keys and values untouched. (Shorter prompts than
+    the verifier's own, for the interpreter's sake.)"""
+    from random_targets import random_target
+    from treeserve.models.paged_kv import PagedAttention, PagedKVCache
+    from treeserve.verifier.graphs import TreeVerifier
+
+    model = random_target("llama", seed=3).to(DEVICE)
+    paged = PagedKVCache(model.config, num_blocks=80, block_size=4, dtype=torch.float32, device=DEVICE)
+    committed = paged.sequence()
+    model(torch.arange(6).to(DEVICE), torch.arange(6).to(DEVICE),
+          PagedAttention.for_prompts([committed], [6], kernels=True))
+    committed.keep(list(range(6)))
+    before, free = paged.data.clone(), paged.allocator.free_count
+    verifier = TreeVerifier(model, paged, max_batch=2, kernels=True)
+    monkeypatch.setattr(TreeVerifier, "WARM_UP_PROMPTS", ((1,), (5,), (17, 3)))
+    assert verifier.warm_up_prefill((0,)) > 0
+    assert paged.allocator.free_count == free
+    slots = committed.slots(0, 6)
+    slots = slots.to(DEVICE)  # the pool as (keys/values, layer, slot, head, dim)
+    torch.testing.assert_close(paged.data.flatten(2, 3)[:, :, slots], before.flatten(2, 3)[:, :, slots],
+                               atol=0, rtol=0)
+    assert not torch.equal(paged.data, before)  # it did write (into blocks it freed again)

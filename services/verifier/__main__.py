@@ -115,6 +115,9 @@ async def serve(args, shard=None, followers=()) -> None:
     watch_followers(followers, scheduler, mirror)
     for link in links:
         await scheduler.connect(link)
+    if verifier.kernels:  # compile the prefill's kernels now rather than in the first requests
+        seconds = await asyncio.to_thread(verifier.warm_up_prefill, scheduler.feature_layer_ids)
+        log.info("prefill kernels warmed up in %.1f s", seconds)
     if verifier.use_graphs:  # after the drafters: the graphs compute the features they asked for
         await asyncio.to_thread(verifier.capture, scheduler.feature_layer_ids)
         if adaptive is not None and verifier.mirror is None:  # what each tree size adds, known from the start
