@@ -16,6 +16,7 @@ from treeserve.loading import LoadedModel
 from treeserve.params import GenerationParams
 from treeserve.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
 from treeserve.verifier import generate
+from treeserve.verifier import drafter_link
 from treeserve.verifier.drafter_link import DrafterLink
 from treeserve.verifier.server import VerifierServicer
 
@@ -103,12 +104,21 @@ def check_received_features(target, drafter):
     return checked
 
 
-def test_dflash_through_the_services_is_lossless_and_gets_the_target_features(tmp_path, target):
+@pytest.mark.parametrize("message_rows", [None, 3], ids=["one-message", "split-every-3-rows"])
+def test_dflash_through_the_services_is_lossless_and_gets_the_target_features(tmp_path, target, monkeypatch,
+                                                                             message_rows):
+    """With message_rows, a round's features go out in messages of at most that many rows (as a long prompt or
+    a large catch-up would, beyond gRPC's message limit): the drafter gets the same features, in order."""
     drafter = recording_drafter(target)
+    if message_rows:
+        monkeypatch.setattr(drafter_link, "MESSAGE_FEATURE_BYTES", message_rows * drafter.feature_size * 4)
+    messages_per_round = []
 
     async def main():
         drafter_service = await start_drafter(tmp_path, drafter)
         link = DrafterLink(drafter_service.address, timeout_s=5.0)
+        build = link._messages
+        link._messages = lambda *args: messages_per_round.append(len(built := build(*args))) or built
         verifier, scheduler, task = await start_verifier(tmp_path, target, link)
         assert link.up and scheduler.feature_layer_ids == drafter.feature_layer_ids
         async with grpc.aio.insecure_channel(verifier.address) as channel:
@@ -118,13 +128,15 @@ def test_dflash_through_the_services_is_lossless_and_gets_the_target_features(tm
             plain = request(PROMPTS[0])
             plain.speculation.disabled = True
             outputs.append(await collect(stub, plain))
+        stayed_up = link.up
         await stop_all(task, verifier, link, drafter_service)
-        return outputs
+        return outputs, stayed_up
 
-    outputs = asyncio.run(main())
+    outputs, stayed_up = asyncio.run(main())
     for prompt, output in zip(PROMPTS + PROMPTS[:1], outputs):
         assert output == expected(target, prompt)
     assert check_received_features(target, drafter) == len(PROMPTS)
+    assert stayed_up and (max(messages_per_round) > 1) == bool(message_rows)
     # Finished requests, then the closed stream, gave every context block back to the drafter's pool.
     assert drafter.pool.allocator.free_count == drafter.pool.allocator.num_blocks
 

@@ -53,8 +53,46 @@ class DraftRound:
     trees: dict[str, DraftTree]
     propose_s: float = 0.0  # the drafter's compute, as it reports it
     round_trip_s: float = 0.0  # write to read on the stream; minus propose_s, this is transport
-    request: drafter_pb2.DraftRequest | None = None  # the two messages, for whoever measures their size
-    response: drafter_pb2.DraftResponse | None = None
+    request_bytes: int = 0  # the messages' sizes, for whoever measures them
+    response_bytes: int = 0
+    messages: int = 0  # more than one when the round's features were split (MESSAGE_FEATURE_BYTES)
+
+
+# Most bytes of features one Draft message carries. gRPC refuses a message above its limit (serving.MESSAGE_OPTIONS)
+# with INTERNAL, and a long prompt's features, or a catch-up after many plain rounds at a large batch, exceed it;
+# such a round goes out as several messages, each request's tokens in order, the last piece with its budget.
+MESSAGE_FEATURE_BYTES = 16 << 20
+
+
+@dataclasses.dataclass
+class ContextPiece:
+    """Part of one request's new context: tokens a .. b of its draft context, with their feature rows."""
+
+    request_id: str
+    token_ids: list[int]
+    features: object | None  # (rows, width) torch tensor, or None for a drafter that takes no features
+    budget: int = 0  # the request's last piece asks for its tree; earlier ones only extend the context
+
+    @property
+    def feature_bytes(self) -> int:
+        return 0 if self.features is None else self.features.numel() * self.features.element_size()
+
+
+def split_context(request_id: str, token_ids: list[int], features, first: bool, max_rows: int
+                  ) -> list[ContextPiece]:
+    """Cut a request's new tokens and their feature rows into pieces of at most `max_rows` rows, as the drafter
+    takes them one after another: row i belongs to token i, except on a request's very first piece, whose newest
+    token has no row yet (it is the next root), so rows lag tokens by one there and in every piece after."""
+    if features is None or len(features) <= max_rows:
+        return [ContextPiece(request_id, token_ids, features)]
+    lag = 1 if first else 0
+    pieces, start = [], 0
+    while start < len(token_ids):
+        end = min(len(token_ids), start + max_rows + (lag if start == 0 else 0))
+        rows = features[max(start - lag, 0):end - lag] if end < len(token_ids) else features[max(start - lag, 0):]
+        pieces.append(ContextPiece(request_id, token_ids[start:end], rows))
+        start = end
+    return pieces
 
 
 class DrafterLink:
@@ -103,33 +141,69 @@ class DrafterLink:
         then decode plainly)."""
         if not self.up:
             return DraftRound({})
-        self.round += 1
-        message = drafter_pb2.DraftRequest(round=self.round)
-        for request_id in self.to_drop:
-            message.items.add(request_id=request_id, finished=True)
-        self.to_drop.clear()
-        for request_id, generation in requests.items():
-            sent = self.sent.get(request_id, 0)
-            item = message.items.add(request_id=request_id, new_token_ids=generation.committed_since(sent),
-                                     budget=min((budgets or {}).get(request_id, generation.budget),
-                                                self.max_budget),
-                                     trace_context=trace_contexts.get(request_id, {}))
-            if self.feature_layer_ids:  # the rows of every token that entered the KV cache since the last item
-                item.features.CopyFrom(features_to_proto(generation.features_since(max(sent - 1, 0))))
-            self.sent[request_id] = generation.committed_count
+        messages = self._messages(requests, trace_contexts, budgets or {})
         started = time.perf_counter()
+        trees, propose_s, response_bytes = {}, 0.0, 0
         try:
-            await self.call.write(message)
-            reply = await asyncio.wait_for(self.call.read(), self.timeout_s)
-            if reply is grpc.aio.EOF or reply.round != self.round:
-                raise ConnectionError("the stream ended or answered out of turn")
+            for message in messages:  # all written first: the drafter works through them while the rest travel
+                await self.call.write(message)
+            for message in messages:
+                reply = await asyncio.wait_for(self.call.read(), self.timeout_s)
+                if reply is grpc.aio.EOF or reply.round != message.round:
+                    raise ConnectionError("the stream ended or answered out of turn")
+                trees.update((tree.request_id, DraftTree(list(tree.token_ids), list(tree.parents)))
+                             for tree in reply.trees)
+                propose_s += reply.propose_seconds
+                response_bytes += reply.ByteSize()
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError, asyncio.InvalidStateError) as error:
             detail = error.code().name if isinstance(error, grpc.aio.AioRpcError) else error
             self._down(f"round failed: {type(error).__name__}: {detail}")
             return DraftRound({})
-        round_trip_s = time.perf_counter() - started
-        trees = {tree.request_id: DraftTree(list(tree.token_ids), list(tree.parents)) for tree in reply.trees}
-        return DraftRound(trees, reply.propose_seconds, round_trip_s, message, reply)
+        return DraftRound(trees, propose_s, time.perf_counter() - started,
+                          sum(message.ByteSize() for message in messages), response_bytes, len(messages))
+
+    def _messages(self, requests: dict, trace_contexts: dict[str, dict[str, str]], budgets: dict[str, int]
+                  ) -> list[drafter_pb2.DraftRequest]:
+        """This round's Draft messages: one, unless the features to send exceed MESSAGE_FEATURE_BYTES. Then the
+        requests' contexts are cut into pieces; message k carries the k-th pieces (as many messages as those
+        need), so a request's pieces arrive in order and never two in one message."""
+        waves: list[list[ContextPiece]] = []
+        for request_id, generation in requests.items():
+            sent = self.sent.get(request_id, 0)
+            features = generation.features_since(max(sent - 1, 0)) if self.feature_layer_ids else None
+            row_bytes = features[:1].numel() * features.element_size() if features is not None else 0
+            pieces = split_context(request_id, generation.committed_since(sent), features, sent == 0,
+                                   MESSAGE_FEATURE_BYTES // max(row_bytes, 1))
+            pieces[-1].budget = min(budgets.get(request_id, generation.budget), self.max_budget)
+            for wave, piece in enumerate(pieces):
+                if wave == len(waves):
+                    waves.append([])
+                waves[wave].append(piece)
+            self.sent[request_id] = generation.committed_count
+        messages = [self._new_message()]
+        for request_id in self.to_drop:
+            messages[0].items.add(request_id=request_id, finished=True)
+        self.to_drop.clear()
+        for wave, pieces in enumerate(waves):
+            if wave > 0:
+                messages.append(self._new_message())
+            carried = 0
+            for piece in pieces:
+                if carried and carried + piece.feature_bytes > MESSAGE_FEATURE_BYTES:
+                    messages.append(self._new_message())
+                    carried = 0
+                carried += piece.feature_bytes
+                item = messages[-1].items.add(request_id=piece.request_id, new_token_ids=piece.token_ids,
+                                              budget=piece.budget)
+                if piece.budget:
+                    item.trace_context.update(trace_contexts.get(piece.request_id, {}))
+                if piece.features is not None:  # the rows of every token that entered the KV cache since
+                    item.features.CopyFrom(features_to_proto(piece.features))
+        return messages
+
+    def _new_message(self) -> drafter_pb2.DraftRequest:
+        self.round += 1
+        return drafter_pb2.DraftRequest(round=self.round)
 
     def _down(self, why: str) -> None:
         if self.call is not None:

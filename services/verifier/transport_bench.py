@@ -62,8 +62,8 @@ async def measure(address: str, batch: int, rounds: int, warmup: int, budget: in
                 round_trip.append(found.round_trip_s)
                 propose.append(found.propose_s)
                 transport.append(found.round_trip_s - found.propose_s)
-                sent.append(found.request.ByteSize())
-                received.append(found.response.ByteSize())
+                sent.append(found.request_bytes)
+                received.append(found.response_bytes)
             for request in requests.values():
                 request.commit()
     finally:
