@@ -102,6 +102,19 @@ def test_a_batch_size_without_drafts_borrows_the_nearest_drafting_cost():
     assert fresh.choose({i: 16 for i in ids}, batch=32) > 0
 
 
+def test_batch_sizes_in_one_graph_bucket_share_their_costs():
+    """A batch of 50 runs in the 64-request graph, as a batch of 40 does: its costs are known from 40's rounds,
+    so it is judged (plain here: trees do not pay) rather than tried as unmeasured."""
+    adaptive = AdaptiveSpeculation()
+    costs(adaptive, 40, {1: 10.0, 17: 30.0}, draft_ms=20.0)
+    assert adaptive.round_seconds(50, 0) == pytest.approx(0.010)
+    assert adaptive.round_seconds(64, 16) == pytest.approx(0.050)
+    assert adaptive.round_seconds(65, 0) is None  # the 128-request graph: not measured
+    ids = [f"r{i}" for i in range(50)]
+    accept(adaptive, ids, 16, 2)
+    assert adaptive.choose({i: 16 for i in ids}, batch=50) == 0
+
+
 def test_graph_timings_price_unsettled_trees_on_top_of_measured_rounds():
     # Say a graph's replay alone is a fraction of a round (0.5 ms of a 2 ms plain round: the rest is host work). An
     # unsettled 17-node bucket costs the plain round plus the graphs' difference, not its bare replay.

@@ -28,7 +28,6 @@ import logging
 import math
 import statistics
 
-from treeserve.models.graphs import buckets_up_to, powers_of_two_up_to
 from treeserve.tree import MAX_BUDGET
 from treeserve.verifier.graphs import TREE_BUCKETS
 
@@ -46,13 +45,11 @@ class RecentCost:
 
     def __init__(self):
         self.samples: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+        self.value = 0.0  # the median, kept up to date: every round reads it many times
 
     def add(self, sample: float) -> None:
         self.samples.append(sample)
-
-    @property
-    def value(self) -> float:
-        return statistics.median(self.samples)
+        self.value = statistics.median(self.samples)
 
     @property
     def settled(self) -> bool:
@@ -75,12 +72,26 @@ class AcceptanceSlope:
         return (self.accepted + prior * prior_weight) / (self.log_budget + prior_weight)
 
 
+def tokens_per_round(slope: float, budget: int) -> float:
+    """A request's expected tokens from a round at this budget: 1 + slope * log2(1 + budget), at most budget + 1
+    (1 without a tree)."""
+    if budget < 1:
+        return 1.0
+    return min(1.0 + budget, 1.0 + slope * math.log2(1 + budget))
+
+
 def batch_bucket(batch: int) -> int:
-    return buckets_up_to(max(batch, 1), powers_of_two_up_to(max(batch, 1)))[-1]
+    """The power of two at or above `batch`: the padded batch its CUDA graph runs (up to --max-batch), so costs
+    measured at 40 requests also price 50, and a batch size met for the first time is not unmeasured."""
+    return 1 << (max(batch, 1) - 1).bit_length()
+
+
+# nodes -> the tree bucket that holds them, precomputed: the choice looks buckets up many times a round.
+TREE_BUCKET_OF = [next(size for size in TREE_BUCKETS if size >= nodes) for nodes in range(TREE_BUCKETS[-1] + 1)]
 
 
 def tree_bucket(nodes: int) -> int:
-    return next(size for size in TREE_BUCKETS if size >= nodes)
+    return TREE_BUCKET_OF[nodes]
 
 
 class AdaptiveSpeculation:
@@ -144,32 +155,35 @@ class AdaptiveSpeculation:
 
     # ---------------------------------------------------------------------------------------------- estimates
 
-    def slope(self, request_id: str) -> float:
-        overall = self.overall_slope.value(self.prior_slope, self.PRIOR_WEIGHT)
+    def slope(self, request_id: str, overall: float | None = None) -> float:
+        """The request's slope (`overall`: the all-request slope, when the caller has it already)."""
+        if overall is None:
+            overall = self.overall_slope.value(self.prior_slope, self.PRIOR_WEIGHT)
         own = self.slopes.get(request_id)
         return own.value(overall, self.PRIOR_WEIGHT) if own is not None else overall
 
     def expected_tokens(self, request_id: str, budget: int) -> float:
-        if budget < 1:
-            return 1.0
-        return min(1.0 + budget, 1.0 + self.slope(request_id) * math.log2(1 + budget))
+        return tokens_per_round(self.slope(request_id), budget)
 
     @staticmethod
     def _estimate(table: dict, batch: int, bucket: int) -> float | None:
         """The bucket's cost at this batch; optimistic while it is unmeasured or unsettled: then at most what the
         nearest smaller bucket costs, so a larger tree gets tried (and an early slow sample retried) before it
         is judged. Without any smaller figure, the nearest larger one; None when this batch bucket has none."""
-        row = table.get(batch, {})
-        smaller = [size for size in row if size < bucket]
-        below = row[max(smaller)].value if smaller else None
-        if bucket in row and (row[bucket].settled or below is None):
-            return row[bucket].value
-        if bucket in row:
-            return min(row[bucket].value, below)
+        row = table.get(batch)
+        if not row:
+            return None
+        own = row.get(bucket)
+        if own is not None and own.settled:
+            return own.value
+        smaller = max((size for size in row if size < bucket), default=None)
+        below = row[smaller].value if smaller is not None else None
+        if own is not None:
+            return own.value if below is None else min(own.value, below)
         if below is not None:
             return below
-        larger = [size for size in row if size > bucket]
-        return row[min(larger)].value if larger else None
+        larger = min((size for size in row if size > bucket), default=None)
+        return row[larger].value if larger is not None else None
 
     def round_seconds(self, batch: int, budget: int) -> float | None:
         """Estimated time of one round of `batch` requests at round budget `budget`; None when unknown."""
@@ -219,20 +233,23 @@ class AdaptiveSpeculation:
         if not candidates:
             candidates = [min(self.min_budget, most)]
         plain = batch - len(budgets)
+        overall = self.overall_slope.value(self.prior_slope, self.PRIOR_WEIGHT)
+        slopes = [(self.slope(request_id, overall), own) for request_id, own in budgets.items()]
         rates = {}
         for step in candidates:
             seconds = self.round_seconds(batch, step)
             if seconds is None:  # nothing measured at this batch size yet: speculate as asked, and learn
                 self.last_choice = most
                 return most
-            tokens = plain + sum(self.expected_tokens(request_id, min(step, own))
-                                 for request_id, own in budgets.items())
+            if step == 0:
+                tokens = batch
+            else:
+                tokens = plain + sum(tokens_per_round(slope, min(step, own)) for slope, own in slopes)
             rates[step] = tokens / max(seconds, 1e-9)
         best = max(rates, key=lambda step: (rates[step], -step))  # ties: the smaller tree
         if log.isEnabledFor(logging.DEBUG):
             log.debug("adaptive: batch %d, mean slope %.2f, expected tokens/s by budget %s", batch,
-                      statistics.fmean(self.slope(request_id) for request_id in budgets),
-                      {step: round(rate, 1) for step, rate in rates.items()})
+                      statistics.fmean(slope for slope, _ in slopes), {step: round(rate, 1) for step, rate in rates.items()})
         if best > 0:
             self.plain_rounds, self.explore_interval = 0, self.explore_every
         else:
