@@ -115,6 +115,29 @@ def test_batch_sizes_in_one_graph_bucket_share_their_costs():
     assert adaptive.choose({i: 16 for i in ids}, batch=50) == 0
 
 
+def test_a_plain_decision_is_reused_for_a_few_rounds_of_the_same_batch():
+    """Plain rounds observe no acceptance, so a plain choice stands for REUSE_PLAIN more rounds of the same batch
+    (cheaper rounds); then, or at once for another batch, it is worked out again."""
+    adaptive = AdaptiveSpeculation()
+    ids = [f"r{i}" for i in range(4)]
+    costs(adaptive, 4, {1: 2.0, 17: 2.5}, draft_ms=10.0)
+    accept(adaptive, ids, 16, 1)  # trees accept nothing: plain
+    budgets = {i: 16 for i in ids}
+    assert adaptive.choose(budgets, batch=4) == 0
+    costs(adaptive, 4, {1: 2.0, 17: 2.5}, draft_ms=0.0, samples=RecentCost.WINDOW)  # drafts free now...
+    accept(adaptive, ids, 16, 6)  # ...and trees accept a lot
+    assert adaptive.choose({i: 16 for i in ids[:3]}, batch=4) > 0  # another batch: worked out at once
+    assert adaptive.choose(budgets, batch=4) > 0
+    adaptive = AdaptiveSpeculation()
+    costs(adaptive, 4, {1: 2.0, 17: 2.5}, draft_ms=10.0)
+    accept(adaptive, ids, 16, 1)
+    assert adaptive.choose(budgets, batch=4) == 0
+    costs(adaptive, 4, {1: 2.0, 17: 2.5}, draft_ms=0.0, samples=RecentCost.WINDOW)
+    accept(adaptive, ids, 16, 6)
+    choices = [adaptive.choose(budgets, batch=4) for _ in range(AdaptiveSpeculation.REUSE_PLAIN + 1)]
+    assert choices[:-1] == [0] * AdaptiveSpeculation.REUSE_PLAIN and choices[-1] > 0, choices
+
+
 def test_graph_timings_price_unsettled_trees_on_top_of_measured_rounds():
     # Say a graph's replay alone is a fraction of a round (0.5 ms of a 2 ms plain round: the rest is host work). An
     # unsettled 17-node bucket costs the plain round plus the graphs' difference, not its bare replay.
