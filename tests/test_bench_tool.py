@@ -53,8 +53,12 @@ def test_greedy_runs_side_by_side(services, tmp_path):
         assert row["ttft_ms"]["p50"] > 0 and row["itl_ms"]["p99"] >= row["itl_ms"]["p50"] > 0
         assert row["tokens_per_s"] > 0 and "verify" in row["round_ms"]
         assert row["saturated_tokens_per_s"] > 0  # more requests than workers: a stretch with all of them busy
+        # Tokens per verifier round over the batch: one a round at one plain request (its prefill round gives
+        # the first), at most a full batch of full trees.
+        assert 0 < row["tokens_per_verifier_round"] <= row["concurrency"] * (row["budget"] + 1)
         if row["mode"] == "plain":
             assert row["tokens_per_round"] == 1.0
+            assert row["concurrency"] > 1 or row["tokens_per_verifier_round"] == 1.0
         else:
             assert row["identical_to_plain"] == "6/6" and row["tokens_per_round"] >= 1.0
             assert "draft" in row["round_ms"] and row["speedup"] > 0

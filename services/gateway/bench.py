@@ -214,6 +214,12 @@ def run_bench(args) -> dict:
             if before is not None:
                 after = round_totals(args.verifier_metrics)
                 row["round_ms"] = round_phase_means(before, after)
+                # Tokens per verifier round over the whole batch: with tokens_per_round (per request), how full
+                # the batches ran.
+                rounds = after.phases.get("round", (0.0, 0.0))[1] - before.phases.get("round", (0.0, 0.0))[1]
+                if rounds:
+                    row["verifier_rounds"] = int(rounds)
+                    row["tokens_per_verifier_round"] = round(row["output_tokens"] / rounds, 2)
                 chosen = rounds_by_budget(before, after)
                 if chosen:  # an adaptive verifier: the rounds by the budget it chose
                     row["adaptive_rounds_by_budget"] = {str(budget): count for budget, count in chosen.items()}
