@@ -102,6 +102,9 @@ class AdaptiveSpeculation:
     PRIOR_WEIGHT = 4.0
     # Exploration backs off to at most this many plain rounds between tries, while tries keep failing.
     EXPLORE_AT_MOST = 1024
+    # A plain decision stands for up to this many more rounds of the same batch: plain rounds observe no
+    # acceptance, so the choice's inputs hardly move, and working it out (tens of microseconds to a tenth of a
+    # millisecond on the CPU machine) was a visible part of a SmolLM2 round at one request.
     REUSE_PLAIN = 8
 
     def __init__(self, min_budget: int = 0, max_budget: int = MAX_BUDGET, prior_slope: float = 0.5,
@@ -123,10 +126,7 @@ class AdaptiveSpeculation:
         # win speculation back doubles the interval, so a drafter that never pays (its catch-up drafts are the
         # dearest rounds) costs ever less; a round that speculates on its merits resets it.
         self.explore_every, self.explore_interval, self.plain_rounds = explore_every, explore_every, 0
-        # A plain decision, reused for up to REUSE_PLAIN rounds of the same batch: plain rounds observe no
-        # acceptance, so the choice's inputs hardly move, and working it out (tens of microseconds to a tenth of a
-        # millisecond) was a visible part of a SmolLM2 round at one request.
-        self.plain_signature: tuple | None = None
+        self.plain_signature: tuple | None = None  # (batch, speculating requests, largest budget) of a plain choice
         self.reused = 0
 
     # ------------------------------------------------------------------------------------------- observations
@@ -262,7 +262,8 @@ class AdaptiveSpeculation:
         best = max(rates, key=lambda step: (rates[step], -step))  # ties: the smaller tree
         if log.isEnabledFor(logging.DEBUG):
             log.debug("adaptive: batch %d, mean slope %.2f, expected tokens/s by budget %s", batch,
-                      statistics.fmean(slope for slope, _ in slopes), {step: round(rate, 1) for step, rate in rates.items()})
+                      statistics.fmean(slope for slope, _ in slopes),
+                      {step: round(rate, 1) for step, rate in rates.items()})
         if best > 0:
             self.plain_rounds, self.explore_interval = 0, self.explore_every
         else:

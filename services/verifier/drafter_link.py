@@ -53,9 +53,17 @@ class DraftRound:
     trees: dict[str, DraftTree]
     propose_s: float = 0.0  # the drafter's compute, as it reports it
     round_trip_s: float = 0.0  # write to read on the stream; minus propose_s, this is transport
-    request_bytes: int = 0  # the messages' sizes, for whoever measures them
-    response_bytes: int = 0
-    messages: int = 0  # more than one when the round's features were split (MESSAGE_FEATURE_BYTES)
+    # The round's messages (more than one request when its features were split: MESSAGE_FEATURE_BYTES).
+    requests: list[drafter_pb2.DraftRequest] = dataclasses.field(default_factory=list)
+    responses: list[drafter_pb2.DraftResponse] = dataclasses.field(default_factory=list)
+
+    @property
+    def request_bytes(self) -> int:
+        return sum(message.ByteSize() for message in self.requests)
+
+    @property
+    def response_bytes(self) -> int:
+        return sum(message.ByteSize() for message in self.responses)
 
 
 # Most bytes of features one Draft message carries. gRPC refuses a message above its limit (serving.MESSAGE_OPTIONS)
@@ -143,7 +151,7 @@ class DrafterLink:
             return DraftRound({})
         messages = self._messages(requests, trace_contexts, budgets or {})
         started = time.perf_counter()
-        trees, propose_s, response_bytes = {}, 0.0, 0
+        trees, propose_s, replies = {}, 0.0, []
         try:
             for message in messages:  # all written first: the drafter works through them while the rest travel
                 await self.call.write(message)
@@ -154,19 +162,19 @@ class DrafterLink:
                 trees.update((tree.request_id, DraftTree(list(tree.token_ids), list(tree.parents)))
                              for tree in reply.trees)
                 propose_s += reply.propose_seconds
-                response_bytes += reply.ByteSize()
+                replies.append(reply)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError, asyncio.InvalidStateError) as error:
             detail = error.code().name if isinstance(error, grpc.aio.AioRpcError) else error
             self._down(f"round failed: {type(error).__name__}: {detail}")
             return DraftRound({})
-        return DraftRound(trees, propose_s, time.perf_counter() - started,
-                          sum(message.ByteSize() for message in messages), response_bytes, len(messages))
+        return DraftRound(trees, propose_s, time.perf_counter() - started, messages, replies)
 
     def _messages(self, requests: dict, trace_contexts: dict[str, dict[str, str]], budgets: dict[str, int]
                   ) -> list[drafter_pb2.DraftRequest]:
         """This round's Draft messages: one, unless the features to send exceed MESSAGE_FEATURE_BYTES. Then the
-        requests' contexts are cut into pieces; message k carries the k-th pieces (as many messages as those
-        need), so a request's pieces arrive in order and never two in one message."""
+        requests' contexts are cut into pieces, and the messages carry every request's first piece, then every
+        second piece, and so on (as many messages for each as the bytes need): a request's pieces arrive in order,
+        never two in one message."""
         waves: list[list[ContextPiece]] = []
         for request_id, generation in requests.items():
             sent = self.sent.get(request_id, 0)

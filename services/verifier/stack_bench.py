@@ -20,8 +20,7 @@ from pathlib import Path
 from treeserve.cli import OneLineErrorParser
 from treeserve.drafter.corpus import read_prompts
 from treeserve.errors import TreeserveError
-from treeserve import launcher
-from treeserve.launcher import Stack
+from treeserve.launcher import Stack, start_stack
 from treeserve.params import GenerationParams
 from treeserve.serving import free_port
 from treeserve.telemetry import round_phase_means, round_totals
@@ -54,7 +53,7 @@ def start_graphs_stack(runtime: Path, args, kind: str, tree: str, graphs: str, m
                             max_batch=args.max_batch, cuda_graphs=graphs, verifier_metrics=metrics_address,
                             grace_s=2.0, start_timeout_s=args.start_timeout_s)
     try:
-        return stack, launcher.start_stack(stack, up)
+        return stack, start_stack(stack, up)
     except BaseException:  # a service that failed to start: stop the others
         stack.stop(up.grace_s)
         raise
