@@ -214,12 +214,13 @@ def run_bench(args) -> dict:
             if before is not None:
                 after = round_totals(args.verifier_metrics)
                 row["round_ms"] = round_phase_means(before, after)
-                # Tokens per verifier round over the whole batch: with tokens_per_round (per request), how full
-                # the batches ran.
+                # How full the verifier's batches ran: the rounds each request spent in them (its prefill round
+                # and its decode rounds) over the rounds there were.
                 rounds = after.phases.get("round", (0.0, 0.0))[1] - before.phases.get("round", (0.0, 0.0))[1]
                 if rounds:
                     row["verifier_rounds"] = int(rounds)
                     row["tokens_per_verifier_round"] = round(row["output_tokens"] / rounds, 2)
+                    row["mean_batch"] = round(sum(1 + r.rounds for r in results if r.error is None) / rounds, 2)
                 chosen = rounds_by_budget(before, after)
                 if chosen:  # an adaptive verifier: the rounds by the budget it chose
                     row["adaptive_rounds_by_budget"] = {str(budget): count for budget, count in chosen.items()}
