@@ -281,7 +281,7 @@ def test_prefill_warm_up_leaves_the_pool_as_it_was(monkeypatch):
     committed.keep(list(range(6)))
     before, free = paged.data.clone(), paged.allocator.free_count
     verifier = TreeVerifier(model, paged, max_batch=2, kernels=True)
-    monkeypatch.setattr(TreeVerifier, "WARM_UP_PROMPTS", ((1,), (5,), (17, 3)))
+    monkeypatch.setattr(TreeVerifier, "WARM_UP_PROMPTS", ((1,), (5,), (17, 3), (400,)))  # 400: beyond the pool
     assert verifier.warm_up_prefill((0,)) > 0
     assert paged.allocator.free_count == free
     slots = committed.slots(0, 6)

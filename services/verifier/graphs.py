@@ -93,6 +93,8 @@ class TreeVerifier:
         compiled); the pool is as before afterwards. Returns the seconds it took."""
         started = time.perf_counter()
         for counts in self.WARM_UP_PROMPTS:
+            if sum(-(-count // self.pool.block_size) for count in counts) > self.pool.allocator.free_count:
+                continue  # a pool this small (--kv-cache-tokens) serves no prompt of this size either
             sequences = [self.pool.sequence() for _ in counts]
             try:
                 attention = PagedAttention.for_prompts(sequences, list(counts), self.kernels)
