@@ -149,9 +149,9 @@ def build_verifier(model: DecoderLM, max_batch: int, graphs: bool = False, kv_ca
                    block_size: int = 16, memory_fraction: float = 0.9, max_tree: int = MAX_BUDGET + 1
                    ) -> TreeVerifier:
     """The verifier's paged pool and tree verifier (with `graphs`, from `graphs_wanted`, not captured yet:
-    `capture` once the feature layers are known). `kv_cache_tokens` 0 sizes the pool: on a GPU, `memory_fraction` of the memory left free after
-    room for the largest verification (the graphs' memory pool) and the longest prefill; on the CPU,
-    CPU_KV_CACHE_TOKENS."""
+    `capture` once the feature layers are known). `kv_cache_tokens` 0 sizes the pool: on a GPU,
+    `memory_fraction` of the memory left free after room for the largest verification (the graphs' memory pool)
+    and the longest prefill; on the CPU, CPU_KV_CACHE_TOKENS."""
     cfg = model.config
     if kv_cache_tokens > 0:
         num_blocks = -(-kv_cache_tokens // block_size)
