@@ -141,6 +141,47 @@ def test_dflash_through_the_services_is_lossless_and_gets_the_target_features(tm
     assert drafter.pool.allocator.free_count == drafter.pool.allocator.num_blocks
 
 
+class EveryFifthRound:
+    """Adaptive speculation's interface, choosing plain decoding four rounds in five."""
+
+    def __init__(self):
+        self.rounds, self.last_choice = 0, 0
+
+    def choose(self, budgets, batch):
+        self.rounds += 1
+        self.last_choice = 8 if self.rounds % 5 == 0 else 0
+        return self.last_choice
+
+    def __getattr__(self, name):  # the observations: not needed here
+        return lambda *args, **kwargs: None
+
+
+def test_features_of_plain_rounds_reach_the_drafter_when_it_next_drafts(tmp_path, target):
+    """Rounds without a draft keep their features on the way to the host (FeatureBacklog); the next draft gets
+    all of them, in order, and the output stays the target's own."""
+    drafter = recording_drafter(target)
+
+    async def main():
+        drafter_service = await start_drafter(tmp_path, drafter)
+        link = DrafterLink(drafter_service.address, timeout_s=5.0)
+        servicer = VerifierServicer("tiny", [link], default_budget=8, default_max_new_tokens=30, max_batch=8)
+        verifier = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
+        scheduler = servicer.attach(target, None, EveryFifthRound())
+        task = asyncio.ensure_future(scheduler.run())
+        await scheduler.connect(link)
+        async with grpc.aio.insecure_channel(verifier.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            outputs = await asyncio.gather(*(collect(stub, request(p)) for p in PROMPTS))
+        await stop_all(task, verifier, link, drafter_service)
+        return outputs
+
+    outputs = asyncio.run(main())
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output == expected(target, prompt)
+    assert check_received_features(target, drafter) == len(PROMPTS)
+    assert all(len(context.received) < len(context.tokens) - 1 for context in drafter.contexts)  # rows came batched
+
+
 def test_a_restarted_dflash_drafter_gets_every_request_resent(tmp_path, target):
     first, second = recording_drafter(target), recording_drafter(target)
 

@@ -216,3 +216,35 @@ def test_requests_batched_into_one_forward_each_get_their_own_output():
             finished[i] = running.pop(i).result().token_ids
         round_number += 1
     assert [finished[i] for i in range(len(requests))] == references
+
+
+def test_kept_features_reach_the_host_in_order_when_flushed():
+    """FeatureBacklog: rows gathered over rounds land on each generation's feature_chunks in round order, only
+    when flushed (before a draft) or once FLUSH_ROUNDS rounds piled up."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from treeserve.verifier.engine import FeatureBacklog
+
+    a, b = (SimpleNamespace(last_features=None, feature_chunks=[]) for _ in range(2))
+    backlog = FeatureBacklog()
+    rows = iter(range(1000))
+
+    def round_of(*generations_and_counts):
+        for generation, count in generations_and_counts:
+            generation.last_features = torch.tensor([[float(next(rows))] for _ in range(count)])
+        backlog.add([generation for generation, _ in generations_and_counts])
+
+    round_of((a, 3), (b, 1))  # a's prompt of three rows, b's plain step
+    round_of((b, 2))
+    round_of((a, 1), (b, 1))
+    assert a.feature_chunks == [] and b.feature_chunks == []  # nothing moved yet
+    backlog.flush()
+    assert torch.cat(a.feature_chunks).flatten().tolist() == [0, 1, 2, 6]
+    assert torch.cat(b.feature_chunks).flatten().tolist() == [3, 4, 5, 7]
+    backlog.flush()  # nothing left: nothing added
+    assert len(a.feature_chunks) == 2 and len(b.feature_chunks) == 3
+    for _ in range(FeatureBacklog.FLUSH_ROUNDS):
+        round_of((a, 1))
+    assert len(a.feature_chunks) == 2 + FeatureBacklog.FLUSH_ROUNDS and not backlog.rounds

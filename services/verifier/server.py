@@ -23,7 +23,7 @@ from treeserve.tree import MAX_BUDGET
 from treeserve.v1 import generation_pb2, verifier_pb2, verifier_pb2_grpc
 from treeserve.verifier.adaptive import AdaptiveSpeculation
 from treeserve.verifier.drafter_link import DraftRound, DrafterLink
-from treeserve.verifier.engine import ForwardPlan, Generation, commit_round, forward_batch
+from treeserve.verifier.engine import FeatureBacklog, ForwardPlan, Generation, commit_round, forward_batch
 from treeserve.verifier.graphs import TreeVerifier, build_verifier
 from treeserve.verifier.tensor_parallel import RankLost
 from treeserve.wire import FINISH_REASONS, params_from_proto
@@ -61,6 +61,7 @@ class Scheduler:
         # The target layers whose hidden states the drafters need, known once one has connected; every drafter
         # of a verifier must want the same ones.
         self.feature_layer_ids: tuple[int, ...] = ()
+        self.feature_backlog = FeatureBacklog()  # kept features on their way to the host, flushed before drafts
         # Set when a tensor-parallel rank is gone: nothing runs again; `on_rank_lost(error)` takes the service down.
         self.lost: RankLost | None = None
         self.on_rank_lost = None
@@ -190,6 +191,8 @@ class Scheduler:
             self.metrics.round_budget.set(chosen)
             self.metrics.rounds_by_budget.labels(budget=str(chosen)).inc()
             budgets = {request_id: min(chosen, own) for request_id, own in budgets.items() if chosen > 0}
+        if budgets:
+            self.feature_backlog.flush()  # the drafters get every feature row up to now
         by_link: dict[DrafterLink, dict[str, Generation]] = {}
         for request_id in budgets:
             entry = speculating[request_id]
@@ -253,7 +256,8 @@ class Scheduler:
         alive = [request_id for request_id in plans if request_id in self.running]  # some may have been cancelled
         index = {request_id: i for i, request_id in enumerate(plans)}
         committed_lists = commit_round([self.running[r].generation for r in alive], [plans[r] for r in alive],
-                                       [logits[index[r]] for r in alive], [features[index[r]] for r in alive])
+                                       [logits[index[r]] for r in alive], [features[index[r]] for r in alive],
+                                       self.feature_backlog)
         # The cost of verifying is only known here: the forward is launched asynchronously on a GPU, and
         # commit_round waits for its results (timing the launch alone made trees look almost free and plain
         # rounds several times cheaper than they are).
