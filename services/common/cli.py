@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def up_settings(*flags: str) -> argparse.Namespace:
+    """`treeserve up`'s settings from these flags and its own defaults for the rest: how the benches start a
+    stack (`launcher.start_stack`) exactly as `treeserve up` would."""
+    return build_parser().parse_args(["up", *flags])
+
+
 def add_drafter_training_commands(commands) -> None:
     """train-drafter and make-prompts. Their arguments live here: building the parser (for every command, the
     container healthcheck included) must not import torch, which the training module needs."""

@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from treeserve.cli import main as treeserve_main
+    from treeserve.cli import main as treeserve_main, up_settings
     from treeserve.launcher import Stack, start_stack
 
     args = parse_args(argv)
@@ -97,11 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         kind, tree = DRAFTERS[drafter]
         runtime = out_dir / f"runtime-{drafter}"
         runtime.mkdir(exist_ok=True)
-        up = argparse.Namespace(target=args.target, drafter=kind, drafter_path=None, tree=tree, budget=args.budget,
-                                device=args.device, dtype=args.dtype, tp=1, speculation=args.speculation,
-                                max_batch=64, cuda_graphs="auto",
-                                verifier_metrics=f"127.0.0.1:{args.metrics_port}", grace_s=2.0,
-                                start_timeout_s=args.start_timeout_s)
+        up = up_settings("--target", args.target, "--drafter", kind, "--tree", tree, "--budget", str(args.budget),
+                         "--device", args.device, "--dtype", args.dtype, "--speculation", args.speculation,
+                         "--verifier-metrics", f"127.0.0.1:{args.metrics_port}", "--grace-s", "2",
+                         "--start-timeout-s", str(args.start_timeout_s))
         stack = Stack(runtime)
         try:
             print(f"== {drafter}: starting the stack (logs in {runtime})", file=sys.stderr, flush=True)

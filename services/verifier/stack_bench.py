@@ -9,7 +9,6 @@ of each mode, and every speculative output is compared with it token for token. 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import shlex
@@ -17,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from treeserve.cli import OneLineErrorParser
+from treeserve.cli import OneLineErrorParser, up_settings
 from treeserve.drafter.corpus import read_prompts
 from treeserve.errors import TreeserveError
 from treeserve.launcher import Stack, start_stack
@@ -48,10 +47,11 @@ def start_graphs_stack(runtime: Path, args, kind: str, tree: str, graphs: str, m
                        ) -> tuple[Stack, str]:
     """The stack as `treeserve up` starts it, with graphs `on` or `off` in both the verifier and the drafter."""
     stack = Stack(runtime)
-    up = argparse.Namespace(target=args.target, drafter=kind, drafter_path=args.drafter_path, tree=tree,
-                            budget=args.budget, device=args.device, dtype=args.dtype, tp=1, speculation="fixed",
-                            max_batch=args.max_batch, cuda_graphs=graphs, verifier_metrics=metrics_address,
-                            grace_s=2.0, start_timeout_s=args.start_timeout_s)
+    up = up_settings("--target", args.target, "--drafter", kind, "--tree", tree, "--budget", str(args.budget),
+                     "--device", args.device, "--dtype", args.dtype, "--max-batch", str(args.max_batch),
+                     "--cuda-graphs", graphs, "--verifier-metrics", metrics_address, "--grace-s", "2",
+                     "--start-timeout-s", str(args.start_timeout_s),
+                     *(["--drafter-path", args.drafter_path] if args.drafter_path else []))
     try:
         return stack, start_stack(stack, up)
     except BaseException:  # a service that failed to start: stop the others
