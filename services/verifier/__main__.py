@@ -37,8 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tokens the paged KV cache holds, over all requests (default 0: on a GPU, 90%% of the "
                         "memory free after room for the largest forward; on the CPU, 16384)")
     p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default=env("cuda_graphs", "auto"),
-                   help="replay tree verification from CUDA graphs captured at start-up (auto: with --device "
-                        "cuda and --tp 1); off is for debugging")
+                   help="replay tree verification from CUDA graphs captured at start-up, on every tensor-parallel "
+                        "rank with its collectives (auto: with --device cuda); off is for debugging")
     p.add_argument("--speculation", choices=("fixed", "adaptive"), default=env("speculation", "fixed"),
                    help="fixed: every request drafts its own budget each round (default); adaptive: each round's "
                         "budget (0 = plain decoding) is chosen for tokens per second from measured verification "
@@ -72,8 +72,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--adaptive-min-budget and --adaptive-max-budget must satisfy 0 <= min <= max <= {MAX_BUDGET}")
     if args.tp < 1:
         p.error("--tp must be at least 1")
-    if args.tp > 1 and args.cuda_graphs == "on":
-        p.error("--cuda-graphs on needs --tp 1 (graphs under --tp are not validated on a GPU yet)")
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != args.tp:
         p.error(f"--tp {args.tp}, but the launcher started {os.environ['WORLD_SIZE']} ranks")
     return args
@@ -100,7 +98,7 @@ async def serve(args, shard=None, followers=()) -> None:
     mirror = None if shard is None else Mirror(parallel.control_group())
     try:
         target = await asyncio.to_thread(load_target, args.target, args.device, args.dtype, shard)
-        graphs = shard is None and graphs_wanted(args.cuda_graphs, args.device)  # not yet under --tp
+        graphs = graphs_wanted(args.cuda_graphs, args.device)
         verifier = await asyncio.to_thread(build_mirrored_verifier, target.model, mirror, max_batch=args.max_batch,
                                            graphs=graphs, kv_cache_tokens=args.kv_cache_tokens)
     except BaseException:
@@ -120,8 +118,8 @@ async def serve(args, shard=None, followers=()) -> None:
         log.info("prefill kernels warmed up in %.1f s", seconds)
     if verifier.use_graphs:  # after the drafters: the graphs compute the features they asked for
         await asyncio.to_thread(verifier.capture, scheduler.feature_layer_ids)
-        if adaptive is not None and verifier.mirror is None:  # what each tree size adds, known from the start
-            for (batch, rows), seconds in (await asyncio.to_thread(verifier.runner.time_graphs)).items():
+        if adaptive is not None:  # what each tree size adds, known from the start
+            for (batch, rows), seconds in (await asyncio.to_thread(verifier.time_graphs)).items():
                 adaptive.observe_graph(batch, rows, seconds)
     scheduler_task = asyncio.ensure_future(scheduler.run())
     await service.set_serving(True)

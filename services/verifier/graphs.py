@@ -66,6 +66,13 @@ class TreeVerifier:
         log.info("captured %d CUDA graphs (batch up to %d, trees up to %d nodes) in %.1f s",
                  len(self.runner.graphs), self.runner.max_batch, self.max_tree, seconds)
 
+    def time_graphs(self) -> dict[tuple[int, int], float]:
+        """Seconds of one replay of each captured graph (PagedRunner.time_graphs); under tensor parallelism every
+        rank replays with rank 0, since the graphs hold collectives."""
+        if self.mirror is not None:
+            self.mirror.send("time_graphs")
+        return self.runner.time_graphs()
+
     def verify(self, sequences: list[PagedSequence], tokens: list[list[int]], positions: list[torch.Tensor],
                masks: list[torch.Tensor], feature_layer_ids: tuple[int, ...] = ()
                ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
