@@ -64,7 +64,11 @@ def _attend_tile(q, n0, best, total, acc, k_ptr, v_ptr, tables_ptr, mask_ptr, b,
     return new_best, total, acc
 
 
-@triton.jit
+# Integer arguments that vary with a prompt's shape are not specialised on (Triton compiles a variant for a value of
+# 1 and for a multiple of 16): otherwise a fresh server compiled, mid-request, for a prompt whose block table or
+# row count happened to meet a new case (0.28 s on the H200). Compiled variants then follow the constexprs alone,
+# which `warm_up` launches one by one.
+@triton.jit(do_not_specialize=["stride_tb", "rows", "splits"])
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_stat_ptr, tables_ptr, prefix_ptr, size_ptr, mask_ptr, scale,
     stride_qb, stride_qt, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
@@ -130,7 +134,7 @@ def _tree_attention_kernel(
         tl.store(stats + 1, total, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _combine_splits_kernel(
     part_acc_ptr, part_stat_ptr, out_ptr, size_ptr,
     stride_as, stride_ab, stride_at, stride_ah, stride_ss, stride_sb, stride_st, stride_sh,
@@ -184,6 +188,50 @@ def default_splits(programs: int, device: torch.device) -> int:
     return max(1, min(32, (TUNING["programs_per_sm"] * multiprocessors(device)) // max(1, programs)))
 
 
+def launch_shape(batch: int, rows: int, heads: int, kv_heads: int, device: torch.device,
+                 splits: int | None = None) -> tuple[int, int, int]:
+    """(tree rows per program, row blocks, key-range splits) of a launch: BLOCK_T is 16 query rows at least
+    (tl.dot's minimum), about TUNING["query_rows"] when the tree is large enough."""
+    padded_group = triton.next_power_of_2(heads // kv_heads)
+    block_t = max(16 // padded_group, min(triton.next_power_of_2(rows), max(1, TUNING["query_rows"] // padded_group)))
+    row_blocks = triton.cdiv(rows, block_t)
+    return block_t, row_blocks, splits or default_splits(batch * kv_heads * row_blocks, device)
+
+
+def padded_splits(splits: int) -> int:
+    """The combine kernel's split tile (a constexpr: each value is a compiled variant)."""
+    return max(2, triton.next_power_of_2(splits))
+
+
+def compiled_variant(batch: int, rows: int, heads: int, kv_heads: int, device: torch.device) -> tuple[int, int]:
+    """What decides which compiled kernels a causal launch of these shapes runs, model and dtype aside: BLOCK_T,
+    and the combine's split tile (0: no combine)."""
+    block_t, _, splits = launch_shape(batch, rows, heads, kv_heads, device)
+    return block_t, padded_splits(splits) if splits > 1 else 0
+
+
+def warm_up_variants(heads: int, kv_heads: int, device: torch.device) -> list[tuple[int, int]]:
+    """Every (BLOCK_T, split tile) a launch of these heads can compile to, with rows and splits that give it."""
+    padded_group = triton.next_power_of_2(heads // kv_heads)
+    smallest, largest = max(1, 16 // padded_group), max(1, TUNING["query_rows"] // padded_group)
+    block_rows = [1 << i for i in range(smallest.bit_length() - 1, max(smallest, largest).bit_length())]
+    return [(rows, splits) for rows in block_rows for splits in (1, 2, 4, 8, 16, 32)]
+
+
+def warm_up(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+            device: torch.device) -> None:
+    """Compile now every variant a prefill (causal) launch of this model can meet, on a throwaway cache, rather
+    than during a request."""
+    variants = warm_up_variants(heads, kv_heads, device)
+    blocks = -(-max(rows for rows, _ in variants) // block_size)
+    keys = torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
+    counts = lambda value: torch.tensor([value], dtype=torch.int32, device=device)  # noqa: E731
+    for rows, splits in variants:
+        q = torch.zeros(1, rows, heads, head_dim, dtype=dtype, device=device)
+        tree_attention(q, keys, keys, table, counts(0), counts(rows), None, splits=splits)
+
+
 def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
                    prefix_lens: torch.Tensor, tree_sizes: torch.Tensor, tree_mask: torch.Tensor | None,
                    scale: float | None = None, splits: int | None = None) -> torch.Tensor:
@@ -198,10 +246,7 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bl
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     group = heads // kv_heads
     padded_group = triton.next_power_of_2(group)
-    # 16 query rows at least (tl.dot's minimum), about TUNING["query_rows"] when the tree is large enough.
-    block_t = max(16 // padded_group, min(triton.next_power_of_2(rows), max(1, TUNING["query_rows"] // padded_group)))
-    row_blocks = triton.cdiv(rows, block_t)
-    splits = splits or default_splits(batch * kv_heads * row_blocks, q.device)
+    block_t, row_blocks, splits = launch_shape(batch, rows, heads, kv_heads, q.device, splits)
     out = torch.empty_like(q)  # the kernels write every row, padding rows as zeros
     causal = tree_mask is None
     # Causal reads no mask; any int8 tensor stands in for the pointer.
@@ -210,7 +255,11 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bl
     sizes = tree_sizes.to(torch.int32).contiguous()
     if splits > 1:
         part_acc = q.new_empty(splits, batch, rows, heads, head_dim, dtype=torch.float32)
-        part_stat = q.new_empty(splits, batch, rows, heads, 2, dtype=torch.float32)
+        # Each row's (maximum, sum) pairs padded to a multiple of 16 floats, so that no stride of the statistics
+        # is a new multiple of 16 for some row count (a compiled variant).
+        width = -(-2 * heads // 16) * 16
+        part_stat = q.new_empty(splits, batch, rows, width, dtype=torch.float32)[..., :2 * heads]
+        part_stat = part_stat.unflatten(-1, (heads, 2))
     else:  # unused
         part_acc = part_stat = out.new_empty(1, 1, 1, 1, 2, dtype=torch.float32)
     padded_dim = max(16, triton.next_power_of_2(head_dim))
@@ -230,5 +279,5 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bl
         _combine_splits_kernel[(batch, rows, kv_heads)](
             part_acc, part_stat, out, sizes, *part_acc.stride()[:4], *part_stat.stride()[:4],
             out.stride(0), out.stride(1), out.stride(2), splits, GROUP=group, PADDED_GROUP=padded_group,
-            PADDED_SPLITS=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim, PADDED_DIM=padded_dim)
+            PADDED_SPLITS=padded_splits(splits), HEAD_DIM=head_dim, PADDED_DIM=padded_dim)
     return out

@@ -98,6 +98,24 @@ def test_kernel_equals_reference(prefix_lens, tree_sizes, heads, kv_heads, head_
         assert not got[b, size:].any(), "padding rows write nothing but zeros"
 
 
+@pytest.mark.parametrize("multiprocessors", [8, 132])
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (32, 8), (4, 4), (16, 1), (64, 2)])
+def test_warm_up_launches_every_variant_a_prefill_can_meet(monkeypatch, multiprocessors, heads, kv_heads):
+    """Whatever the prompts packed into a prefill (1 to 64 of them, up to 8k rows), its launch compiles to a
+    variant that `warm_up` launched, so no request waits on the compiler."""
+    from treeserve.kernels import tree_attention as module
+
+    monkeypatch.setattr(module, "multiprocessors", lambda device: multiprocessors)
+    device = torch.device(DEVICE)
+    warmed = set()
+    for rows, splits in module.warm_up_variants(heads, kv_heads, device):
+        block_t, _, splits = module.launch_shape(1, rows, heads, kv_heads, device, splits)
+        warmed.add((block_t, module.padded_splits(splits) if splits > 1 else 0))
+    met = {module.compiled_variant(batch, rows, heads, kv_heads, device)
+           for batch in (1, 2, 3, 5, 8, 13, 21, 34, 64) for rows in [*range(1, 130), *range(130, 8192, 37)]}
+    assert met <= warmed, f"never warmed up: {sorted(met - warmed)}"
+
+
 @pytest.mark.parametrize("attend", [tree_attention, tree_attention_reference], ids=["kernel", "reference"])
 def test_causal_mode_equals_an_explicit_lower_triangular_mask(attend):
     """A prefill passes no mask: each new row sees the prefix and the new rows up to itself."""
@@ -282,6 +300,10 @@ def test_prefill_warm_up_leaves_the_pool_as_it_was(monkeypatch):
     before, free = paged.data.clone(), paged.allocator.free_count
     verifier = TreeVerifier(model, paged, max_batch=2, kernels=True)
     monkeypatch.setattr(TreeVerifier, "WARM_UP_PROMPTS", ((1,), (5,), (17, 3), (400,)))  # 400: beyond the pool
+    from treeserve.kernels import tree_attention as module
+
+    # Two of the attention's variants (with and without the combine), not all of them: the interpreter is slow.
+    monkeypatch.setattr(module, "warm_up_variants", lambda heads, kv_heads, device: [(3, 1), (9, 3)])
     assert verifier.warm_up_prefill((0,)) > 0
     assert paged.allocator.free_count == free
     slots = committed.slots(0, 6)

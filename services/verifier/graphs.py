@@ -88,17 +88,30 @@ class TreeVerifier:
             return per_logits, [None] * len(sizes)
         return per_logits, [features[b, :n] for b, n in enumerate(sizes)]
 
-    # Prompt batches (tokens per prompt) whose prefills meet every compiled variant of the prefill's Triton
-    # kernels: Triton compiles an integer argument apart when it is 1 or a multiple of 16, and the attention's row
-    # tile follows the longest prompt up to 16 rows.
+    # Prompt batches (tokens per prompt) whose prefills meet every compiled variant of the prefill's other Triton
+    # kernels (Triton compiles an integer argument apart when it is 1 or a multiple of 16); the attention's
+    # variants are launched one by one (`warm_up_attention`).
     WARM_UP_PROMPTS = ((1,), (2,), (5,), (16,), (37,), (3, 64), (200, 7))
 
     @torch.inference_mode()
+    def warm_up_attention(self) -> None:
+        """Compile every variant of the tree-attention kernels a prefill can meet (on every tensor-parallel rank)."""
+        from treeserve.kernels import tree_attention
+
+        if self.mirror is not None:
+            self.mirror.send("warm_up_attention")
+        cfg = self.model.config
+        tree_attention.warm_up(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.pool.block_size,
+                               self.pool.data.dtype, self.pool.data.device)
+
+    @torch.inference_mode()
     def warm_up_prefill(self, feature_layer_ids: tuple[int, ...] = ()) -> float:
-        """Throwaway prefills of WARM_UP_PROMPTS, so that their kernels compile at start-up, not during the first
-        requests (on the H200, a fresh verifier's first requests ran at a fifth of the speed while they
-        compiled); the pool is as before afterwards. Returns the seconds it took."""
+        """Throwaway prefills of WARM_UP_PROMPTS and the attention's variants, so that their kernels compile at
+        start-up, not during the first requests (on the H200, a fresh verifier's first requests ran at a fifth of
+        the speed while they compiled); the pool is as before afterwards. Returns the seconds it took."""
         started = time.perf_counter()
+        if self.kernels:
+            self.warm_up_attention()
         for counts in self.WARM_UP_PROMPTS:
             if sum(-(-count // self.pool.block_size) for count in counts) > self.pool.allocator.free_count:
                 continue  # a pool this small (--kv-cache-tokens) serves no prompt of this size either
