@@ -76,6 +76,28 @@ def test_sampled_chat_runs_are_lossless_too(services, tmp_path):
     assert report["runs"][1]["identical_to_plain"] == "4/4"
 
 
+def test_an_open_loop_sends_at_its_request_rate(services, tmp_path):
+    """--request-rate: requests arrive on a seeded Poisson schedule, the same in both modes, each run as long as
+    its last arrival at least; the runs are lossless and compared per request too."""
+    import random
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    report = bench(services, tmp_path / "open.json", "--prompts", str(prompts), "--request-rate", "4,50",
+                   "--requests", "6", "--max-new-tokens", "8", "--budgets", "4", "--ignore-eos", "--no-warmup",
+                   "--verifier-metrics", f"127.0.0.1:{services.verifier_metrics}")
+    assert [(r["mode"], r["request_rate"]) for r in report["runs"]] == [
+        ("plain", 4.0), ("speculative", 4.0), ("plain", 50.0), ("speculative", 50.0)]
+    for row in report["runs"]:
+        arrivals = random.Random(0)
+        last_arrival = sum(arrivals.expovariate(row["request_rate"]) for _ in range(5))
+        assert row["wall_s"] >= last_arrival
+        assert row["completed"] == 6 and row["errors"] == {} and row["output_tokens"] == 6 * 8
+        assert "concurrency" not in row and row["saturated_tokens_per_s"] is None
+        if row["mode"] == "speculative":
+            assert row["identical_to_plain"] == "6/6" and row["per_request_speedup"] > 0
+
+
 def test_bad_flags_and_a_missing_gateway_are_one_line(tmp_path):
     def run(*flags):
         return subprocess.run([sys.executable, "-m", "treeserve", "bench", *flags], capture_output=True, text=True,
@@ -86,6 +108,11 @@ def test_bad_flags_and_a_missing_gateway_are_one_line(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1
     done = run("--address", "localhost:1", "--concurrency", "1,x")
     assert done.returncode == 2 and "expected comma-separated integers" in done.stderr
+    done = run("--address", "localhost:1", "--request-rate", "2,fast")
+    assert done.returncode == 2 and "expected comma-separated numbers" in done.stderr
+    done = run("--address", "localhost:1", "--request-rate", "0")
+    assert done.returncode == 1 and done.stderr.strip() == (
+        "treeserve bench: error: --request-rate must be positive requests a second")
 
 
 def test_bench_stacks_makes_the_tables_in_one_command(tmp_path):

@@ -4,7 +4,10 @@ For each concurrency C (and each tree budget), N requests go through the gateway
 closed loop: a new request starts when one ends), first with speculation off, then on, on the same stack, so
 every ratio is measured in one run. N defaults to four waves (4 C, at least 16): with a single wave the run
 lasts as long as its slowest request, and speculation, whose requests finish at different rounds, would be
-judged on its tail. Per run: output tokens per second (over the run's wall time; while all C were in flight,
+judged on its tail. With --request-rate instead, each level is an open loop: N requests (default 64) arrive
+as a Poisson process at R a second, whatever is in flight, at the same seeded times in both modes; that is the
+load a server sees from many independent users, where a closed loop slows its arrivals down with its own
+latency. Per run: output tokens per second (over the run's wall time; while all C were in flight,
 which leaves the final drain out; and the mean of each request's own rate), time to the first token and
 inter-token latency (p50/p99), the mean tokens per verification round, the verifier's mean round time by phase
 (with --verifier-metrics), and errors by gRPC status. The JSON goes to --out, and a PNG plot beside it (tokens
@@ -17,6 +20,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import random
 import shlex
 import statistics
 import sys
@@ -141,6 +145,38 @@ async def run_level(address: str, requests: list[gateway_pb2.GenerateRequest], c
         return results, started, time.perf_counter() - started, saturated_s
 
 
+async def run_open_loop(address: str, requests: list[gateway_pb2.GenerateRequest], rate: float, timeout_s: float,
+                        progress: Progress, seed: int = 0) -> tuple[list[RequestResult], float, float, float]:
+    """Every request, started at Poisson arrival times of `rate` a second (seeded: the same times in every run),
+    however many are in flight; returns what run_level does (no stretch with every worker busy: 0)."""
+    arrivals = random.Random(seed)
+    async with grpc.aio.insecure_channel(normalize_address(address)) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+
+        async def send(request):
+            result = await one_request(stub, request, timeout_s)
+            progress.advance(result)
+            return result
+
+        started, due, sent = time.perf_counter(), 0.0, []
+        for request in requests:
+            await asyncio.sleep(max(0.0, started + due - time.perf_counter()))
+            sent.append(asyncio.ensure_future(send(request)))
+            due += arrivals.expovariate(rate)
+        results = await asyncio.gather(*sent)
+        return list(results), started, time.perf_counter() - started, 0.0
+
+
+def level(row: dict) -> tuple[str, float]:
+    """A run's load: ("concurrency", C) for a closed loop, ("request_rate", R) for an open one."""
+    return ("request_rate", row["request_rate"]) if "request_rate" in row else ("concurrency", row["concurrency"])
+
+
+def level_label(row: dict) -> str:
+    kind, value = level(row)
+    return f"{value:g}/s" if kind == "request_rate" else f"x{value}"
+
+
 def build_requests(prompts: list[dict], count: int, params: GenerationParams, speculate: bool,
                    budget: int) -> list[gateway_pb2.GenerateRequest]:
     """`count` requests over the prompts in order (repeating them when count is larger); request i samples with
@@ -185,26 +221,37 @@ def run_bench(args) -> dict:
               "workload": args.workload if not args.prompts else None, "max_new_tokens": args.max_new_tokens,
               "temperature": args.temperature, "warmup": args.warmup, "runs": []}
     modes = [("plain", 0)] + [("speculative", budget) for budget in args.budgets]
+    if args.request_rate:
+        levels = [{"request_rate": rate} for rate in args.request_rate]
+    else:
+        levels = [{"concurrency": concurrency} for concurrency in args.concurrency]
+
+    def run(load: dict, requests, label: str):
+        progress = Progress(label, len(requests), not args.quiet)
+        if "request_rate" in load:
+            return asyncio.run(run_open_loop(args.address, requests, load["request_rate"], args.timeout_s, progress))
+        return asyncio.run(run_level(args.address, requests, load["concurrency"], args.timeout_s, progress))
+
+    def count(load: dict) -> int:
+        if "request_rate" in load:
+            return args.requests or OPEN_LOOP_REQUESTS
+        return requests_at(args.requests, load["concurrency"])
+
     if args.warmup:  # untimed: a fresh verifier compiles kernels for the first shapes it meets (batch sizes,
         # prompt lengths), seconds that would land in whichever run came first
         warm_params = dataclasses.replace(params, max_new_tokens=min(16, params.max_new_tokens))
-        for concurrency in args.concurrency:
+        for load in levels:
             for mode, budget in modes:
-                requests = build_requests(prompts, requests_at(args.requests, concurrency), warm_params,
-                                          mode == "speculative", budget)
-                asyncio.run(run_level(args.address, requests, concurrency, args.timeout_s,
-                                      Progress(f"warm-up {mode} x{concurrency}", len(requests), not args.quiet)))
-    for concurrency in args.concurrency:
+                requests = build_requests(prompts, count(load), warm_params, mode == "speculative", budget)
+                run(load, requests, f"warm-up {mode} {level_label(load)}")
+    for load in levels:
         plain_outputs = None
         for mode, budget in modes:
-            requests = build_requests(prompts, requests_at(args.requests, concurrency), params,
-                                      mode == "speculative", budget)
-            label = f"{mode}{f' budget {budget}' if budget else ''} x{concurrency}"
+            requests = build_requests(prompts, count(load), params, mode == "speculative", budget)
+            label = f"{mode}{f' budget {budget}' if budget else ''} {level_label(load)}"
             before = round_totals(args.verifier_metrics) if args.verifier_metrics else None
-            results, started, wall_s, saturated_s = asyncio.run(run_level(
-                args.address, requests, concurrency, args.timeout_s, Progress(label, len(requests), not args.quiet)))
-            row = {"mode": mode, "budget": budget, "concurrency": concurrency} | summarize(results, started, wall_s,
-                                                                                          saturated_s)
+            results, started, wall_s, saturated_s = run(load, requests, label)
+            row = {"mode": mode, "budget": budget} | load | summarize(results, started, wall_s, saturated_s)
             outputs = [r.token_ids if r.error is None else None for r in results]
             if plain_outputs is None:
                 plain_outputs = outputs
@@ -225,10 +272,13 @@ def run_bench(args) -> dict:
                 if chosen:  # an adaptive verifier: the rounds by the budget it chose
                     row["adaptive_rounds_by_budget"] = {str(budget): count for budget, count in chosen.items()}
             report["runs"].append(row)
-    for row in report["runs"]:  # each speculative run against the plain run at its concurrency
+    for row in report["runs"]:  # each speculative run against the plain run at its load
         if row["mode"] == "speculative":
-            plain = next(r for r in report["runs"] if r["mode"] == "plain" and r["concurrency"] == row["concurrency"])
+            plain = next(r for r in report["runs"] if r["mode"] == "plain" and level(r) == level(row))
             row["speedup"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else None
+            if plain["per_request_tokens_per_s"]:  # what one user sees: below saturation, the open loop's ratio
+                own, theirs = row["per_request_tokens_per_s"], plain["per_request_tokens_per_s"]
+                row["per_request_speedup"] = round(own / theirs, 3)
             if row["saturated_tokens_per_s"] and plain["saturated_tokens_per_s"]:
                 row["saturated_speedup"] = round(row["saturated_tokens_per_s"] / plain["saturated_tokens_per_s"], 3)
     return report
@@ -245,28 +295,30 @@ def plot(report: dict, path: Path) -> bool:
     except ImportError:
         return False
     figure, (speed, accepted) = plt.subplots(1, 2, figsize=(11, 4.2))
-    series: dict[str, list[tuple[int, float]]] = {}
+    series: dict[str, list[tuple[float, float]]] = {}
     for row in report["runs"]:
         name = "plain" if row["mode"] == "plain" else f"speculative, budget {row['budget']}"
-        series.setdefault(name, []).append((row["concurrency"], row["tokens_per_s"]))
+        series.setdefault(name, []).append((level(row)[1], row["tokens_per_s"]))
     for name, points in series.items():
         speed.plot(*zip(*sorted(points)), marker="o", label=name)
-    levels = sorted({row["concurrency"] for row in report["runs"]})
+    open_loop = level(report["runs"][0])[0] == "request_rate"
+    loads = sorted({level(row)[1] for row in report["runs"]})
     speed.set_xscale("log", base=2)
-    speed.set_xticks(levels, [str(level) for level in levels])
+    speed.set_xticks(loads, [f"{load:g}" for load in loads])
     speed.minorticks_off()
-    speed.set(xlabel="concurrent requests", ylabel="output tokens/s", title="throughput")
+    speed.set(xlabel="requests a second (open loop)" if open_loop else "concurrent requests",
+              ylabel="output tokens/s", title="throughput")
     speed.legend()
-    by_concurrency: dict[int, list[tuple[int, float]]] = {}
+    by_load: dict[float, list[tuple[int, float]]] = {}
     for row in report["runs"]:
         if row["mode"] == "speculative" and row["tokens_per_round"] is not None:
-            by_concurrency.setdefault(row["concurrency"], []).append((row["budget"], row["tokens_per_round"]))
-    for concurrency, points in sorted(by_concurrency.items()):
-        accepted.plot(*zip(*sorted(points)), marker="o", label=f"{concurrency} concurrent")
+            by_load.setdefault(level(row)[1], []).append((row["budget"], row["tokens_per_round"]))
+    for load, points in sorted(by_load.items()):
+        accepted.plot(*zip(*sorted(points)), marker="o", label=f"{load:g}/s" if open_loop else f"{load:g} concurrent")
     budgets = sorted({row["budget"] for row in report["runs"] if row["mode"] == "speculative"})
     accepted.set_xticks(budgets, [str(budget) for budget in budgets])
     accepted.set(xlabel="tree budget", ylabel="tokens per round", title="accepted length")
-    if by_concurrency:
+    if by_load:
         accepted.legend()
     figure.suptitle(f"{Path(report['gateway']['model']).name}: {report['workload'] or Path(report['prompts']).name}"
                     f", temperature {report['temperature']}, {report['max_new_tokens']} new tokens")
@@ -280,6 +332,17 @@ def requests_at(asked: int | None, concurrency: int) -> int:
     """Requests in a run at this concurrency: four waves by default, never fewer than the concurrency (or the
     run would not reach it)."""
     return max(asked, concurrency) if asked is not None else max(16, 4 * concurrency)
+
+
+# Requests per open-loop run when --requests is not given.
+OPEN_LOOP_REQUESTS = 64
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 def int_list(text: str) -> list[int]:
@@ -297,8 +360,12 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--prompts", help="a JSONL prompt file instead of --workload")
     parser.add_argument("--concurrency", type=ints, default=[1, 4, 16, 64],
                         help="requests in flight, comma-separated (default 1,4,16,64)")
+    parser.add_argument("--request-rate", type=float_list, default=None, metavar="R[,R...]",
+                        help="open loop instead of --concurrency: requests arrive at R a second (Poisson, seeded), "
+                             "however many are in flight; comma-separated rates")
     parser.add_argument("--requests", type=int, default=None,
-                        help="requests per run, at least the concurrency (default: 4x the concurrency, at least 16)")
+                        help="requests per run, at least the concurrency (default: 4x the concurrency, at least 16; "
+                             f"open loop: {OPEN_LOOP_REQUESTS})")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     parser.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     parser.add_argument("--budgets", type=ints, default=[16], help="tree budgets, comma-separated (default 16)")
@@ -316,6 +383,8 @@ def main_bench(args) -> int:
     counts = [args.max_new_tokens, *args.concurrency, *args.budgets] + ([args.requests] if args.requests else [])
     if not args.concurrency or not args.budgets or args.requests == 0 or min(counts) < 1:
         raise TreeserveError("--requests, --max-new-tokens, --concurrency and --budgets must be positive")
+    if args.request_rate is not None and (not args.request_rate or min(args.request_rate) <= 0):
+        raise TreeserveError("--request-rate must be positive requests a second")
     report = run_bench(args)
     out = Path(args.out)
     out.write_text(json.dumps(report, indent=1) + "\n")
@@ -323,10 +392,11 @@ def main_bench(args) -> int:
     plotted = plot(report, picture)
     for row in report["runs"]:
         budget = f" budget {row['budget']}" if row["mode"] == "speculative" else ""
-        print(f"{row['mode']:11s}{budget:10s} x{row['concurrency']:<3d} {row['tokens_per_s']:9.1f} tok/s  "
+        print(f"{row['mode']:11s}{budget:10s} {level_label(row):<7s} {row['tokens_per_s']:9.1f} tok/s  "
               f"ttft p50 {row['ttft_ms']['p50']} ms  itl p50 {row['itl_ms']['p50']} ms  "
               f"tokens/round {row['tokens_per_round']}  errors {row['errors'] or 0}"
-              + (f"  x{row['speedup']} vs plain (x{row.get('saturated_speedup')} while saturated), identical "
+              + (f"  x{row['speedup']} vs plain (x{row.get('saturated_speedup')} while saturated, "
+                 f"x{row.get('per_request_speedup')} per request), identical "
                  f"{row['identical_to_plain']}" if "speedup" in row else ""))
     print(f"wrote {out}" + (f" and {picture}" if plotted else " (no plot: matplotlib is not installed)"))
     return 0
