@@ -115,6 +115,28 @@ def test_bad_flags_and_a_missing_gateway_are_one_line(tmp_path):
         "treeserve bench: error: --request-rate must be positive requests a second")
 
 
+def test_bench_stacks_tables_of_open_loops_compare_each_request(tmp_path):
+    from treeserve.gateway.bench_stacks import parse_args, render_tables
+
+    def run(mode, rate, per_request, total, **extra):
+        return {"mode": mode, "budget": 16 if mode == "speculative" else 0, "request_rate": rate,
+                "per_request_tokens_per_s": per_request, "tokens_per_s": total, **extra}
+
+    report = {"runs": [run("plain", 5.0, 329.0, 505.0),
+                       run("speculative", 5.0, 472.0, 508.0, per_request_speedup=1.434, speedup=1.006,
+                           identical_to_plain="48/48"),
+                       run("plain", 20.0, 110.0, 1652.0),
+                       run("speculative", 20.0, 134.0, 1616.0, per_request_speedup=1.218, speedup=0.978,
+                           identical_to_plain="47/48")]}
+    (tmp_path / "ngram-code-t0.json").write_text(json.dumps(report))
+    tables = render_tables(tmp_path, ["ngram"], ["code"], [0.0])
+    assert "| requests a second | plain (ngram) | ngram |" in tables
+    assert "| 5 | 329 [505] | 472 (1.43x) [508], identical 48/48 |" in tables
+    assert "| 20 | 110 [1652] | 134 (1.22x) [1616], identical 47/48 |" in tables
+    with pytest.raises(SystemExit):
+        parse_args(["--out-dir", str(tmp_path), "--request-rate", "0"])
+
+
 def test_bench_stacks_makes_the_tables_in_one_command(tmp_path):
     # The n-gram stack on the tiny model (a DFlash drafter needs a checkpoint for its target): started, benched
     # at two concurrencies, stopped, and its row in tables.md.

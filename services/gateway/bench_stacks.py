@@ -2,8 +2,9 @@
 
 For each drafter, starts the three services as `treeserve up` does (with the verifier's metrics on), runs
 `treeserve bench` for every workload and temperature against it (plain and speculative side by side), and stops
-it; then writes `tables.md`: per workload and temperature, tok/s by concurrency, each drafter's speculative run
-beside the plain run of its own stack. Every bench's JSON and PNG, and each stack's logs, stay in --out-dir.
+it; then writes `tables.md`: per workload and temperature, tok/s by concurrency (or by request rate, with
+--request-rate: open loops, compared per request), each drafter's speculative run beside the plain run of its
+own stack. Every bench's JSON and PNG, and each stack's logs, stay in --out-dir.
 """
 
 from __future__ import annotations
@@ -22,35 +23,50 @@ def bench_name(drafter: str, workload: str, temperature: float) -> str:
 
 
 def render_tables(out_dir: Path, drafters: list[str], workloads: list[str], temperatures: list[float]) -> str:
-    """Markdown: one table per workload and temperature, a row per concurrency, for each drafter its stack's
-    plain tok/s and its speculative tok/s with the ratio (while saturated too, where the run had such a stretch)."""
+    """Markdown: one table per workload and temperature, a row per load, for each drafter its stack's plain run and
+    its speculative run with the ratio. Closed loops: tok/s (the ratio while saturated too, where the run had such
+    a stretch). Open loops: each request's own tok/s, the aggregate in brackets (below saturation both modes
+    deliver what arrives)."""
+    from treeserve.gateway.bench import level
+
     lines = []
     for workload in workloads:
         for temperature in temperatures:
             reports = {d: json.loads((out_dir / f"{bench_name(d, workload, temperature)}.json").read_text())
                        for d in drafters}
-            lines += [f"### {workload}, temperature {temperature:g}", "",
-                      "tok/s; speculative as a ratio of the plain run of the same stack (while saturated in brackets)",
-                      "", "| concurrency | " + " | ".join(f"plain ({d}) | {d}" for d in drafters) + " |",
+            loads = sorted({level(row) for report in reports.values() for row in report["runs"]})
+            open_loop = loads[0][0] == "request_rate"
+            about = ("tok/s per request (all requests' in brackets); speculative as a ratio of the plain run of the "
+                     "same stack, per request" if open_loop else
+                     "tok/s; speculative as a ratio of the plain run of the same stack (while saturated in brackets)")
+            lines += [f"### {workload}, temperature {temperature:g}", "", about, "",
+                      f"| {'requests a second' if open_loop else 'concurrency'} | "
+                      + " | ".join(f"plain ({d}) | {d}" for d in drafters) + " |",
                       "|---|" + "---|---|" * len(drafters)]
-            concurrencies = sorted({row["concurrency"] for report in reports.values() for row in report["runs"]})
-            for concurrency in concurrencies:
+            for load in loads:
                 cells = []
                 for drafter in drafters:
-                    rows = [row for row in reports[drafter]["runs"] if row["concurrency"] == concurrency]
+                    rows = [row for row in reports[drafter]["runs"] if level(row) == load]
                     plain = next(row for row in rows if row["mode"] == "plain")
+                    speculative = [row for row in rows if row["mode"] == "speculative"]
+                    if open_loop:
+                        cells.append(f"{plain['per_request_tokens_per_s']:.0f} [{plain['tokens_per_s']:.0f}]")
+                        cells += [f"{row['per_request_tokens_per_s']:.0f} ({row['per_request_speedup']:.2f}x) "
+                                  f"[{row['tokens_per_s']:.0f}], identical {row['identical_to_plain']}"
+                                  for row in speculative]
+                        continue
                     cells.append(f"{plain['tokens_per_s']:.0f}")
-                    for row in (row for row in rows if row["mode"] == "speculative"):
+                    for row in speculative:
                         saturated = f" [{row['saturated_speedup']:.2f}x]" if row.get("saturated_speedup") else ""
                         cells.append(f"{row['tokens_per_s']:.0f} ({row['speedup']:.2f}x{saturated}, identical "
                                      f"{row['identical_to_plain']})")
-                lines.append(f"| {concurrency} | " + " | ".join(cells) + " |")
+                lines.append(f"| {load[1]:g} | " + " | ".join(cells) + " |")
             lines.append("")
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None):
-    from treeserve.gateway.bench import WORKLOADS, int_list
+    from treeserve.gateway.bench import WORKLOADS, float_list, int_list
 
     p = argparse.ArgumentParser(prog="python -m treeserve.gateway.bench_stacks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,6 +81,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--prompts", help="a JSONL prompt file instead of --workloads (its tables say 'prompts')")
     p.add_argument("--temperatures", default="0,0.7", help="comma-separated (default 0,0.7)")
     p.add_argument("--concurrency", default="1,4,16,64", help="comma-separated (default 1,4,16,64)")
+    p.add_argument("--request-rate", metavar="R[,R...]",
+                   help="open loops instead of --concurrency: requests a second, comma-separated (treeserve bench's)")
     p.add_argument("--requests", type=int, help="requests per run (default: treeserve bench's, four waves)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     p.add_argument("--budget", type=int, default=16, help="the requests' tree budget (default 16)")
@@ -81,8 +99,11 @@ def parse_args(argv: list[str] | None):
     try:
         args.temperatures = [float(t) for t in args.temperatures.split(",") if t]
         int_list(args.concurrency)
+        rates = float_list(args.request_rate) if args.request_rate is not None else None
     except (ValueError, argparse.ArgumentTypeError) as error:
         p.error(str(error))
+    if rates is not None and (not rates or min(rates) <= 0):
+        p.error("--request-rate must be positive requests a second")
     return args
 
 
@@ -111,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                     flags = ["bench", "--address", gateway, "--temperature", f"{temperature:g}", "--concurrency",
                              args.concurrency, "--max-new-tokens", str(args.max_new_tokens), "--budgets",
                              str(args.budget), "--verifier-metrics", up.verifier_metrics, "--out", str(out)]
+                    flags += ["--request-rate", args.request_rate] if args.request_rate else []
                     flags += ["--prompts", args.prompts] if args.prompts else ["--workload", workload]
                     flags += ["--requests", str(args.requests)] if args.requests else []
                     print(f"== {drafter}: {workload}, temperature {temperature:g}", file=sys.stderr, flush=True)
