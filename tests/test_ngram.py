@@ -59,3 +59,28 @@ def test_budget_is_respected_and_tree_is_valid_on_random_contexts():
 def test_no_match_gives_the_root_alone():
     assert NgramDrafter().tree([1, 2, 3, 4], budget=8).size == 1
     assert NgramDrafter().tree([5], budget=8).size == 1
+
+
+def suffix_matches_in_order(context: list[int], max_ngram: int, min_ngram: int, count: int) -> list[int]:
+    """The specification, plainly: for suffix lengths n from the longest down, the positions after each earlier
+    occurrence of the last n tokens, most recent first, each position once, at most `count`."""
+    found = []
+    for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
+        for end in range(len(context) - 2, n - 2, -1):
+            if context[end - n + 1:end + 1] == context[-n:] and end + 1 not in found:
+                found.append(end + 1)
+    return found[:count]
+
+
+def test_continuations_follow_the_longest_then_most_recent_occurrences():
+    import random
+
+    rng = random.Random(1)
+    for _ in range(3000):
+        drafter = NgramDrafter(max_ngram=rng.randint(1, 5), min_ngram=1, max_continuations=rng.randint(1, 20))
+        drafter.min_ngram = rng.randint(1, drafter.max_ngram)
+        context = [rng.randrange(rng.randint(1, 8)) for _ in range(rng.randint(1, 100))]
+        length = rng.randint(1, 20)
+        starts = suffix_matches_in_order(context, drafter.max_ngram, drafter.min_ngram, drafter.max_continuations)
+        got = [continuation.tolist() for continuation in drafter.continuations(context, length)]
+        assert got == [context[start:start + length] for start in starts], (context, drafter.__dict__)

@@ -5,7 +5,6 @@ with different continuations become branches of one tree instead of one chain.""
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from treeserve.tree import DraftTree, TokenDrafter
 
@@ -17,20 +16,25 @@ class NgramDrafter(TokenDrafter):
         self.max_ngram, self.min_ngram, self.max_continuations = max_ngram, min_ngram, max_continuations
 
     def continuations(self, context: list[int], length: int) -> list[np.ndarray]:
-        """Continuations of earlier occurrences of the context's suffix: longest suffix match first, then the
-        most recent occurrence first; each occurrence once."""
+        """Continuations of earlier occurrences of the context's suffix: longest suffix match (up to max_ngram)
+        first, then the most recent occurrence first; each occurrence once.
+
+        One pass: every earlier position of the last token is an occurrence of the 1-token suffix; how far each
+        matches backwards is counted for all of them at once, and the order comes from one sort. (A loop over
+        suffix lengths, a sliding window each, took 0.36 ms a request on the CPU machine, this 0.06; on the H200
+        host, drafting 64 requests took 10-11 ms of a round.)"""
         tokens = np.asarray(context, dtype=np.int64)
-        found, used_starts = [], set()
-        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
-            # Windows over all but the last token, so every match has at least one token after it.
-            windows = sliding_window_view(tokens[:-1], n)
-            for start in np.flatnonzero((windows == tokens[-n:]).all(axis=1))[::-1] + n:
-                if start not in used_starts:
-                    used_starts.add(start)
-                    found.append(tokens[start:start + length])
-                    if len(found) == self.max_continuations:
-                        return found
-        return found
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # where an earlier occurrence ends
+        matched = np.ones(len(ends), dtype=np.int64)
+        still = np.ones(len(ends), dtype=bool)
+        for back in range(1, min(self.max_ngram, len(tokens) - 1)):
+            still &= ends >= back
+            still[still] = tokens[ends[still] - back] == tokens[-1 - back]
+            matched += still
+        keep = matched >= self.min_ngram
+        ends, matched = ends[keep], matched[keep]
+        order = np.lexsort((-ends, -matched))[:self.max_continuations]  # longest match, then most recent
+        return [tokens[end + 1:end + 1 + length] for end in ends[order].tolist()]
 
     def tree(self, context: list[int], budget: int) -> DraftTree:
         """The tree for one context: continuations merged into a trie of at most `budget` drafted nodes."""
