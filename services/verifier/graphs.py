@@ -113,7 +113,7 @@ class TreeVerifier:
         if self.kernels:
             self.warm_up_attention()
         for counts in self.WARM_UP_PROMPTS:
-            if sum(-(-count // self.pool.block_size) for count in counts) > self.pool.allocator.free_count:
+            if sum(self.pool.blocks_for(count) for count in counts) > self.pool.allocator.free_count:
                 continue  # a pool this small (--kv-cache-tokens) serves no prompt of this size either
             sequences = [self.pool.sequence() for _ in counts]
             try:

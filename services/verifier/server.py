@@ -84,7 +84,7 @@ class Scheduler:
         return not link.feature_layer_ids or entry.generation.keep_features
 
     def blocks_promised(self, generation: Generation) -> int:
-        return -(-generation.kv_tokens_needed // self.verifier.pool.block_size)
+        return self.verifier.pool.blocks_for(generation.kv_tokens_needed)
 
     def fits(self, generation: Generation) -> bool:
         promised = sum(self.blocks_promised(entry.generation) for entry in self.running.values())

@@ -118,7 +118,7 @@ class PagedRunner:
         self.max_batch, self.row_buckets = max_batch, sorted(row_buckets)
         self.max_rows = self.row_buckets[-1]
         # Wide enough for the longest sequence: `max_length` committed tokens plus the rows of one forward.
-        self.table_width = -(-(max_length + self.max_rows) // pool.block_size)
+        self.table_width = pool.blocks_for(max_length + self.max_rows)
         self.use_graphs = graphs
         self.graphs: dict[tuple[int, int], CapturedGraph] = {}
         self.memory_pool = None

@@ -66,6 +66,10 @@ class PagedKVCache:
         per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
         return int(free_bytes * fraction) // per_block
 
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks that hold this many tokens."""
+        return -(-tokens // self.block_size)
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[0, index], self.data[1, index]
 
@@ -90,7 +94,7 @@ class PagedSequence:
 
     def reserve(self, count: int) -> torch.Tensor:
         """Room for `count` pending rows after the committed ones; returns their slots."""
-        needed = -(-(self.length + count) // self.cache.block_size) - len(self.blocks)
+        needed = self.cache.blocks_for(self.length + count) - len(self.blocks)
         if needed > 0:
             self.blocks += self.cache.allocator.allocate(needed)
         return self.slots(self.length, count)
@@ -105,7 +109,7 @@ class PagedSequence:
         self._trim()
 
     def _trim(self) -> None:
-        used = -(-self.length // self.cache.block_size)
+        used = self.cache.blocks_for(self.length)
         if len(self.blocks) > used:
             self.cache.allocator.free(self.blocks[used:])
             del self.blocks[used:]
