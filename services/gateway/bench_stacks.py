@@ -36,8 +36,8 @@ def render_tables(out_dir: Path, drafters: list[str], workloads: list[str], temp
                        for d in drafters}
             loads = sorted({level(row) for report in reports.values() for row in report["runs"]})
             open_loop = loads[0][0] == "request_rate"
-            about = ("tok/s per request (all requests' in brackets); speculative as a ratio of the plain run of the "
-                     "same stack, per request" if open_loop else
+            about = ("each request's tok/s on average (all requests' together in brackets); speculative as a ratio "
+                     "of the plain run of the same stack, per request" if open_loop else
                      "tok/s; speculative as a ratio of the plain run of the same stack (while saturated in brackets)")
             lines += [f"### {workload}, temperature {temperature:g}", "", about, "",
                       f"| {'requests a second' if open_loop else 'concurrency'} | "
