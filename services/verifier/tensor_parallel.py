@@ -13,6 +13,7 @@ then closes its streams with UNAVAILABLE and exits), and followers stop with the
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -22,6 +23,50 @@ from treeserve.errors import TreeserveError
 
 class RankLost(TreeserveError):
     """Another tensor-parallel rank is gone: this verifier cannot run another forward."""
+
+
+class WireArray:
+    """A host tensor on its way to the other ranks, as a NumPy array: pickled as raw bytes, where a pickled tensor
+    goes through torch's storage serialisation (on the CPU machine over gloo, one 64-request round's staged rows
+    took 4.6-5.4 ms to broadcast and unpickle as tensors, 1.4-1.5 ms as arrays)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array):
+        self.array = array
+
+    def __getstate__(self):
+        return self.array
+
+    def __setstate__(self, array):
+        self.array = array
+
+
+def to_wire(value):
+    """`value` with its host tensors as WireArrays, inside dataclasses, tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dtype != torch.bfloat16:
+        return WireArray(value.numpy())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value)(**{field.name: to_wire(getattr(value, field.name)) for field in dataclasses.fields(value)})
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_wire(item) for item in value)
+    if isinstance(value, dict):
+        return {key: to_wire(item) for key, item in value.items()}
+    return value
+
+
+def from_wire(value):
+    """The inverse of `to_wire`: tensors again (sharing the arrays' memory)."""
+    if isinstance(value, WireArray):
+        return torch.from_numpy(value.array)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return type(value)(**{field.name: from_wire(getattr(value, field.name))
+                              for field in dataclasses.fields(value)})
+    if isinstance(value, (list, tuple)):
+        return type(value)(from_wire(item) for item in value)
+    if isinstance(value, dict):
+        return {key: from_wire(item) for key, item in value.items()}
+    return value
 
 
 class Mirror:
@@ -41,7 +86,7 @@ class Mirror:
         if self.pool is not None:
             payload["moves"], self.pool.recorded_moves = self.pool.recorded_moves, []
         try:
-            dist.broadcast_object_list([(step, payload)], src=0, group=self.group)
+            dist.broadcast_object_list([(step, to_wire(payload))], src=0, group=self.group)
         except RuntimeError as error:  # gloo: a peer closed its connection
             raise RankLost(f"a tensor-parallel rank is gone ({str(error).splitlines()[0]})") from None
 
@@ -69,7 +114,7 @@ def follow(model, group) -> int:
             print(f"treeserve: rank {dist.get_rank()}: rank 0 is gone ({str(error).splitlines()[0]}); stopping",
                   file=sys.stderr)
             return 1
-        step, payload = message[0]
+        step, payload = message[0][0], from_wire(message[0][1])
         if verifier is not None:
             for source, target in payload.pop("moves", ()):
                 verifier.pool.move(source, target)
