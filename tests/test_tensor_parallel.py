@@ -68,7 +68,7 @@ def test_a_count_that_does_not_divide_is_one_clear_line(tmp_path):
 
 
 def test_a_step_goes_to_the_other_ranks_as_arrays_and_comes_back_as_the_same_tensors():
-    """Rank 0's steps are pickled with their host tensors as NumPy arrays (torch's own tensor pickling was 4x
+    """Rank 0's steps are pickled with their host tensors as NumPy arrays (torch's own tensor pickling was 3-4x
     slower over gloo): the follower gets the same dataclasses, tuples and tensors, dtypes included."""
     import pickle
 
