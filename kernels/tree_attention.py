@@ -211,10 +211,10 @@ def compiled_variant(batch: int, rows: int, heads: int, kv_heads: int, device: t
 
 
 def warm_up_variants(heads: int, kv_heads: int, device: torch.device) -> list[tuple[int, int]]:
-    """Every (BLOCK_T, split tile) a launch of these heads can compile to, with rows and splits that give it."""
-    padded_group = triton.next_power_of_2(heads // kv_heads)
-    smallest, largest = max(1, 16 // padded_group), max(1, TUNING["query_rows"] // padded_group)
-    block_rows = [1 << i for i in range(smallest.bit_length() - 1, max(smallest, largest).bit_length())]
+    """Every (BLOCK_T, split tile) a launch of these heads can compile to, with rows and splits that give it: each
+    BLOCK_T launch_shape gives (a power of two, so as many rows give it too), each split tile."""
+    block_rows = sorted({launch_shape(1, rows, heads, kv_heads, device, 1)[0]
+                         for rows in range(1, TUNING["query_rows"] + 1)})
     return [(rows, splits) for rows in block_rows for splits in (1, 2, 4, 8, 16, 32)]
 
 
@@ -223,7 +223,7 @@ def warm_up(heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: to
     """Compile now every variant a prefill (causal) launch of this model can meet, on a throwaway cache, rather
     than during a request."""
     variants = warm_up_variants(heads, kv_heads, device)
-    blocks = -(-max(rows for rows, _ in variants) // block_size)
+    blocks = triton.cdiv(max(rows for rows, _ in variants), block_size)
     keys = torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
     table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
     counts = lambda value: torch.tensor([value], dtype=torch.int32, device=device)  # noqa: E731
@@ -257,7 +257,7 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bl
         part_acc = q.new_empty(splits, batch, rows, heads, head_dim, dtype=torch.float32)
         # Each row's (maximum, sum) pairs padded to a multiple of 16 floats, so that no stride of the statistics
         # is a new multiple of 16 for some row count (a compiled variant).
-        width = -(-2 * heads // 16) * 16
+        width = triton.cdiv(2 * heads, 16) * 16
         part_stat = q.new_empty(splits, batch, rows, width, dtype=torch.float32)[..., :2 * heads]
         part_stat = part_stat.unflatten(-1, (heads, 2))
     else:  # unused

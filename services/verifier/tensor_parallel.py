@@ -42,31 +42,30 @@ class WireArray:
         self.array = array
 
 
-def to_wire(value):
-    """`value` with its host tensors as WireArrays, inside dataclasses, tuples, lists and dicts."""
-    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dtype != torch.bfloat16:
-        return WireArray(value.numpy())
+def _map_leaves(value, leaf):
+    """`value` with `leaf` applied to everything inside its dataclasses, tuples, lists and dicts."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return type(value)(**{field.name: to_wire(getattr(value, field.name)) for field in dataclasses.fields(value)})
+        return type(value)(**{field.name: _map_leaves(getattr(value, field.name), leaf)
+                              for field in dataclasses.fields(value)})
     if isinstance(value, (list, tuple)):
-        return type(value)(to_wire(item) for item in value)
+        return type(value)(_map_leaves(item, leaf) for item in value)
     if isinstance(value, dict):
-        return {key: to_wire(item) for key, item in value.items()}
-    return value
+        return {key: _map_leaves(item, leaf) for key, item in value.items()}
+    return leaf(value)
+
+
+def to_wire(value):
+    """`value` with its host tensors as WireArrays."""
+    def leaf(item):
+        if isinstance(item, torch.Tensor) and item.device.type == "cpu" and item.dtype != torch.bfloat16:
+            return WireArray(item.numpy())
+        return item
+    return _map_leaves(value, leaf)
 
 
 def from_wire(value):
     """The inverse of `to_wire`: tensors again (sharing the arrays' memory)."""
-    if isinstance(value, WireArray):
-        return torch.from_numpy(value.array)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return type(value)(**{field.name: from_wire(getattr(value, field.name))
-                              for field in dataclasses.fields(value)})
-    if isinstance(value, (list, tuple)):
-        return type(value)(from_wire(item) for item in value)
-    if isinstance(value, dict):
-        return {key: from_wire(item) for key, item in value.items()}
-    return value
+    return _map_leaves(value, lambda item: torch.from_numpy(item.array) if isinstance(item, WireArray) else item)
 
 
 class Mirror:
