@@ -122,7 +122,7 @@ def block_forward(model, pool, sequences, blocks: list[torch.Tensor]) -> torch.T
     positions = [torch.arange(s.length, s.length + BLOCK) for s in sequences]
     rows = stage_trees(sequences, [[0] * BLOCK for _ in sequences], positions,
                        [torch.ones(BLOCK, BLOCK, dtype=torch.bool)] * len(sequences), len(sequences), BLOCK,
-                       table_width=200, pin=False)
+                       table_width=200)
     out = model(torch.cat(blocks), rows.positions, PagedAttention(pool, rows.paged))
     for sequence in sequences:
         sequence.keep([])  # the block is not context

@@ -13,7 +13,7 @@ from random_targets import random_target
 from treeserve.errors import TreeserveError
 from treeserve.models.paged_kv import PagedKVCache
 from treeserve.tree import DraftTree
-from treeserve.models.graphs import PagedRunner, TreeRows, buckets_up_to, stage_trees
+from treeserve.models.graphs import PagedRunner, TreeRows, buckets_up_to, padded_rows, stage_trees
 from treeserve.verifier.graphs import TREE_BUCKETS, TreeVerifier
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,8 +58,8 @@ def test_padding_to_a_bucket_changes_neither_logits_nor_the_cache():
     verifier = TreeVerifier(model, pool, max_batch=5, max_tree=33)
     sequences, tokens, positions, masks = requests_in(pool, [3, 40, 17], [9, 1, 30], seed=1)
     with torch.inference_mode():
-        exact = stage_trees(sequences, tokens, positions, masks, 3, 30, verifier.runner.table_width, pin=False)
-        padded = stage_trees(sequences, tokens, positions, masks, 5, 33, verifier.runner.table_width, pin=False)
+        exact = stage_trees(sequences, tokens, positions, masks, 3, 30, verifier.runner.table_width)
+        padded = stage_trees(sequences, tokens, positions, masks, 5, 33, verifier.runner.table_width)
         before = pool.data.clone()
         verifier.feature_layer_ids = (0, 1)
         want, want_features = verifier._forward(exact)
@@ -78,12 +78,76 @@ def test_padding_to_a_bucket_changes_neither_logits_nor_the_cache():
     torch.testing.assert_close(flat(pool.data)[:, :, written], flat(after_exact)[:, :, written])
 
 
+def test_staging_into_reused_buffers_equals_staging_anew():
+    """A runner stages every forward in the same host buffers: what a larger forward left there must not show
+    through a smaller one."""
+    model = random_target("llama")
+    pool = PagedKVCache(model.config, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
+    buffers = padded_rows(6, 17, 40)
+    large = requests_in(pool, [9, 30, 5, 12, 7], [16, 3, 8, 1, 16], seed=3)
+    small = requests_in(pool, [2, 22], [4, 2], seed=4)
+    stage_trees(*large, 5, 17, 40, into=buffers)
+    reused = stage_trees(*small, 2, 5, 40, into=buffers)
+    anew = stage_trees(*small, 2, 5, 40)
+    for got, want in zip([reused.tokens, reused.positions, *reused.paged.tensors()],
+                         [anew.tokens, anew.positions, *anew.paged.tensors()]):
+        assert got.shape == want.shape and torch.equal(got, want)
+    assert reused.tokens.data_ptr() == buffers.tokens.data_ptr()  # staged in the buffers, not beside them
+    with pytest.raises(TreeserveError, match="block-table width"):
+        stage_trees(*small, 2, 5, 41, into=buffers)
+
+
+ON_A_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])
+def test_prompts_in_pieces_match_one_packed_prefill(device):
+    """Prompts through the runner in pieces of its largest rows bucket (5 here: up to five pieces, prompts of
+    unequal length, so later pieces run fewer requests) give the logits, features and cached keys and values that
+    one packed causal forward gives; on a GPU, replayed from the runner's CUDA graphs."""
+    from treeserve.models.paged_kv import PagedAttention
+
+    model = random_target("qwen3", seed=4, weight_scale=2.0).to(device)
+    lengths = [12, 1, 23, 5]
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(model.config.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+    pools = [PagedKVCache(model.config, num_blocks=40, block_size=4, dtype=torch.float32, device=device)
+             for _ in range(2)]
+    on_gpu = device == "cuda"
+    in_pieces = TreeVerifier(model, pools[0], max_batch=4, max_tree=5, graphs=on_gpu)
+    packed = TreeVerifier(model, pools[1], max_batch=4, max_tree=5)
+    if on_gpu:
+        in_pieces.capture(feature_layer_ids=(0, 1))
+    tolerance = 1e-4 if on_gpu else 1e-5
+    sequences = [[pool.sequence() for _ in prompts] for pool in pools]
+    with torch.inference_mode():
+        got_logits, got_features = in_pieces.prefill_in_pieces(sequences[0], prompts, feature_layer_ids=(0, 1))
+        attention = PagedAttention.for_prompts(sequences[1], lengths)
+        last_rows = torch.tensor(lengths).cumsum(0) - 1
+        want_logits, hidden = packed.prefill(attention, torch.tensor(sum(prompts, [])),
+                                             torch.cat([torch.arange(n) for n in lengths]), last_rows, (0, 1))
+    want_features = torch.cat(hidden, dim=-1).split(lengths)
+    close = lambda got, want: torch.testing.assert_close(  # noqa: E731
+        got, want, atol=tolerance * want.abs().max().clamp(min=1).item(), rtol=tolerance)
+    for b, n in enumerate(lengths):
+        close(got_logits[b], want_logits[b:b + 1])
+        assert got_features[b].shape == (n, 2 * model.config.hidden_size)
+        close(got_features[b], want_features[b])
+    assert all(sequence.length == 0 for sequence in sequences[0])  # every row still pending, for keep to commit
+    for pool, pool_sequences in zip(pools, sequences):
+        for sequence, n in zip(pool_sequences, lengths):
+            sequence.keep(list(range(n)))
+    for mine, theirs in zip(*sequences):
+        close(pools[0].data.flatten(2, 3)[:, :, mine.slots(0, mine.length)],
+              pools[1].data.flatten(2, 3)[:, :, theirs.slots(0, theirs.length)])
+
+
 def test_replay_refuses_inputs_of_another_size():
     static = torch.zeros(4, dtype=torch.long)
     model = random_target("llama")
     pool = PagedKVCache(model.config, 8, 4, torch.float32, "cpu")
     sequences, tokens, positions, masks = requests_in(pool, [2], [3], seed=0)
-    staged = stage_trees(sequences, tokens, positions, masks, 1, 3, 4, pin=False)
+    staged = stage_trees(sequences, tokens, positions, masks, 1, 3, 4)
     with pytest.raises(TreeserveError, match="graph input of shape"):
         PagedRunner._load(TreeRows(static, static, staged.paged), staged)
 

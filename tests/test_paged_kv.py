@@ -71,11 +71,12 @@ def test_blocks_that_fit_counts_every_layer_and_both_tensors():
 
 # ----------------------------------------------------------------------------------- the engine on a paged pool
 
-@pytest.mark.parametrize("case", ["llama3", "qwen3"])
-def test_engine_on_a_paged_pool_is_lossless_and_returns_every_block(case):
+@pytest.mark.parametrize("case,prefill_pieces", [("llama3", 0), ("qwen3", 0), ("qwen3", 8)])
+def test_engine_on_a_paged_pool_is_lossless_and_returns_every_block(case, prefill_pieces):
     """Requests batched into shared forwards over one pool (blocks of 5, so trees straddle pages) give the same
     tokens as plain decoding with contiguous caches, at budgets from 1 to 64; every block is back in the pool
-    once they finish."""
+    once they finish. Prompts prefilled in one packed forward, or through the verifier's runner as a GPU
+    verifier with graphs prefills them."""
     import random
 
     from random_targets import RandomTreeDrafter, random_target, word_tokenizer
@@ -89,6 +90,7 @@ def test_engine_on_a_paged_pool_is_lossless_and_returns_every_block(case):
     rng = random.Random(case)
     pool = PagedKVCache(model.config, num_blocks=200, block_size=5, dtype=torch.float32, device="cpu")
     verifier = TreeVerifier(model, pool, max_batch=4)
+    verifier.prefill_pieces = prefill_pieces
     requests = []
     for i, budget in enumerate((1, 4, 16, 64)):
         prompt = [rng.randrange(96) for _ in range(rng.randint(1, 23))]

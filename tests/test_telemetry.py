@@ -169,6 +169,18 @@ def test_metrics_add_up_and_a_cancelled_stream_frees_its_kv(tmp_path, target):
     assert gateway[("treeserve_gateway_output_tokens_total", ())] >= 3 * 16 + 2
 
 
+def test_a_rounds_trees_are_counted_together():
+    metrics = telemetry.VerifierMetrics()
+    metrics.record_trees([(4, 2), (0, 0), (3, 3), (1, 0)])  # the plain step (0 drafted) is not a tree
+    metrics.record_trees([])
+    value = metrics.registry.get_sample_value
+    assert value("treeserve_drafts_total") == 3
+    assert value("treeserve_draft_tokens_total") == 8
+    assert value("treeserve_accepted_tokens_total") == 5
+    assert {depth: value("treeserve_accepted_tokens_by_position_total", {"position": str(depth)})
+            for depth in (1, 2, 3, 4)} == {1: 2, 2: 2, 3: 1, 4: None}
+
+
 def test_metrics_are_served_over_http(tmp_path):
     metrics = telemetry.DrafterMetrics()
     metrics.trees.inc(3)

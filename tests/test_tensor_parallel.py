@@ -81,7 +81,7 @@ def test_a_step_goes_to_the_other_ranks_as_arrays_and_comes_back_as_the_same_ten
     sequence.reserve(6)
     sequence.keep(list(range(6)))
     mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    staged = stage_trees([sequence], [[5, 6, 7]], [torch.tensor([6, 7, 7])], [mask], 2, 3, 8, pin=False)
+    staged = stage_trees([sequence], [[5, 6, 7]], [torch.tensor([6, 7, 7])], [mask], 2, 3, 8)
     payload = {"key": (2, 3), "staged": staged, "feature_layer_ids": (0, 1),
                "moves": [(torch.tensor([9]), torch.tensor([7]))],
                "packed_rows": (torch.tensor([0, 0]), torch.tensor([0, 1]), 2), "logits_rows": None}

@@ -100,7 +100,7 @@ def test_training_forward_equals_the_inference_path(target):
             model.extend_context(context, alone[:anchor])
             ids = torch.tensor([sample.tokens[anchor]] + [model.config.mask_token_id] * (block - 1))
             rows = stage_trees([context], [ids.tolist()], [torch.arange(anchor, anchor + block)],
-                               [torch.ones(block, block, dtype=torch.bool)], 1, block, 16, pin=False)
+                               [torch.ones(block, block, dtype=torch.bool)], 1, block, 16)
             with torch.no_grad():  # as at inference: the pool is written, never differentiated
                 hidden = model(target.model.embed_tokens(ids), rows.positions, PagedAttention(pool, rows.paged))
                 want = target.lm_head(hidden)[1:]

@@ -23,7 +23,7 @@ def main(rank, world, port):
     trees = [DraftTree([rng.randrange(96) for _ in range(17)], [-1] + [rng.randrange(i) for i in range(1, 17)])
              for _ in range(64)]
     staged = stage_trees(sequences, [t.tokens for t in trees], [torch.tensor(t.depths()) + 300 for t in trees],
-                         [t.ancestor_mask() for t in trees], 64, 17, 520, pin=False)  # 520: SmolLM2's table width
+                         [t.ancestor_mask() for t in trees], 64, 17, 520)  # 520: SmolLM2's table width
     for name, wrap, unwrap in (("tensors", lambda x: x, lambda x: x), ("arrays", to_wire, from_wire)) * 2:
         times = []
         for _ in range(100):

@@ -12,6 +12,7 @@ Counters carry no replica label, so rates sum across replicas; Prometheus adds t
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -148,15 +149,19 @@ class VerifierMetrics:
                                         "Rounds by the tree budget adaptive speculation chose (0: plain)", ["budget"],
                                         registry=r)
 
-    def record_round(self, drafted: int, accepted: int) -> None:
-        """One request's verified tree: `drafted` nodes, of which the `accepted` deepest path kept."""
-        if drafted == 0:
+    def record_trees(self, trees: list[tuple[int, int]]) -> None:
+        """A round's verified trees, as (drafted nodes, accepted depth) per request (0 drafted: a plain step,
+        not counted). Counted once per round, not per request: at 64 requests a round, a counter update per
+        request and accepted position took about a millisecond of each round on the H200 host."""
+        drafted = [(nodes, accepted) for nodes, accepted in trees if nodes > 0]
+        if not drafted:
             return
-        self.drafts.inc()
-        self.draft_tokens.inc(drafted)
-        self.accepted_tokens.inc(accepted)
-        for position in range(1, accepted + 1):
-            self.accepted_by_position.labels(position=str(position)).inc()
+        self.drafts.inc(len(drafted))
+        self.draft_tokens.inc(sum(nodes for nodes, _ in drafted))
+        self.accepted_tokens.inc(sum(accepted for _, accepted in drafted))
+        reached = collections.Counter(depth for _, accepted in drafted for depth in range(1, accepted + 1))
+        for depth, count in reached.items():
+            self.accepted_by_position.labels(position=str(depth)).inc(count)
 
 
 class DrafterMetrics:

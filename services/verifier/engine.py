@@ -68,10 +68,11 @@ ROOT_ONLY_MASK = torch.ones(1, 1, dtype=torch.bool)  # shared by every plain ste
 @torch.inference_mode()
 def forward_batch(model: DecoderLM, plans: list[ForwardPlan], feature_layer_ids: tuple[int, ...] = (),
                   verifier: TreeVerifier | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """One target forward for several requests (two over a paged pool when prompts and trees come together:
-    prompts packed and causal, trees through `verifier`, the CUDA graphs when it has them). Returns each plan's
-    logits rows and, when `feature_layer_ids` is given, its tokens' hidden states after those layers,
-    concatenated per token (N, len(ids) * hidden): the features a DFlash drafter conditions on."""
+    """One target forward for several requests (over a paged pool, trees through `verifier`, the CUDA graphs when
+    it has them, and prompts before them: in pieces through the same graphs, or packed and causal in one eager
+    forward; `TreeVerifier.prefills_in_pieces` says which). Returns each plan's logits rows and, when
+    `feature_layer_ids` is given, its tokens' hidden states after those layers, concatenated per token
+    (N, len(ids) * hidden): the features a DFlash drafter conditions on."""
     paged = [isinstance(plan.cache, PagedSequence) for plan in plans]
     if not any(paged):
         return _forward_packed(model, plans, feature_layer_ids, None)
@@ -82,11 +83,18 @@ def forward_batch(model: DecoderLM, plans: list[ForwardPlan], feature_layer_ids:
     prompts = [i for i, plan in enumerate(plans) if plan.tree is None]
     trees = [i for i, plan in enumerate(plans) if plan.tree is not None]
     verifier = verifier or TreeVerifier(model, plans[0].cache.cache, max_batch=len(plans))
-    if prompts:
-        attention = PagedAttention.for_prompts([plans[i].cache for i in prompts],
-                                               [len(plans[i].tokens) for i in prompts], verifier.kernels)
-        found = _forward_packed(model, [plans[i] for i in prompts], feature_layer_ids, attention, verifier)
-        for i, plan_logits, plan_features in zip(prompts, *found):
+    in_pieces = [i for i in prompts if verifier.prefills_in_pieces(len(plans[i].tokens))]
+    packed = [i for i in prompts if i not in in_pieces]
+    if in_pieces:
+        found = verifier.prefill_in_pieces([plans[i].cache for i in in_pieces], [plans[i].tokens for i in in_pieces],
+                                           feature_layer_ids)
+        for i, plan_logits, plan_features in zip(in_pieces, *found):
+            logits[i], features[i] = plan_logits, plan_features
+    if packed:
+        attention = PagedAttention.for_prompts([plans[i].cache for i in packed],
+                                               [len(plans[i].tokens) for i in packed], verifier.kernels)
+        found = _forward_packed(model, [plans[i] for i in packed], feature_layer_ids, attention, verifier)
+        for i, plan_logits, plan_features in zip(packed, *found):
             logits[i], features[i] = plan_logits, plan_features
     if trees:
         found = verifier.verify([plans[i].cache for i in trees], [plans[i].tokens for i in trees],

@@ -4,6 +4,7 @@ pool's size from the memory a GPU has free after warm-up."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -23,6 +24,10 @@ log = logging.getLogger("treeserve.verifier")
 TREE_BUCKETS = (1,) + tuple(2 ** i + 1 for i in range(MAX_BUDGET.bit_length()))
 
 
+def causal_mask(rows: int) -> torch.Tensor:
+    return torch.ones(rows, rows, dtype=torch.bool).tril_()
+
+
 class TreeVerifier:
     """The target's tree verification over one paged pool, through a PagedRunner whose row buckets are the tree
     sizes up to `max_tree` (`kernels`: the Triton kernels, by default on a GPU only; elsewhere their PyTorch
@@ -40,6 +45,13 @@ class TreeVerifier:
                                   model.config.max_context, graphs)
         self.captured_features: tuple[int, ...] | None = None
         self.mirror = None  # on rank 0 of a tensor-parallel target: the other ranks' channel (tensor_parallel)
+        # Prompts of up to this many rows buckets are prefilled in pieces through the runner (`prefill_in_pieces`),
+        # longer ones in one eager forward (`prefill`). With graphs, 8 pieces: an eager prefill's host work (a
+        # Triton launch from Python per kernel, 30 layers) took about 5 ms per round with new prompts at 64
+        # requests on the H200 host, and pieces replay for a fraction of that, while a long prompt in pieces of
+        # 129 rows would reread the weights once per piece on a large model. Without graphs, 0: the eager forward
+        # of one packed batch is the cheaper there.
+        self.prefill_pieces = self.PREFILL_PIECES if graphs else 0
 
     def mirror_to(self, mirror) -> None:
         """Rank 0 of a tensor-parallel target: send every forward, capture and KV move to the other ranks first."""
@@ -87,6 +99,41 @@ class TreeVerifier:
         if features is None:
             return per_logits, [None] * len(sizes)
         return per_logits, [features[b, :n] for b, n in enumerate(sizes)]
+
+    PREFILL_PIECES = 8
+
+    def prefills_in_pieces(self, rows: int) -> bool:
+        """Whether a prompt of this many rows is prefilled through the runner (`prefill_in_pieces`)."""
+        return rows <= self.prefill_pieces * self.runner.max_rows
+
+    def prefill_in_pieces(self, sequences: list[PagedSequence], prompts: list[list[int]],
+                          feature_layer_ids: tuple[int, ...] = ()
+                          ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Prompts through the runner (replaying its CUDA graphs) in pieces of up to its largest rows bucket: the
+        k-th piece of every prompt in one forward, causal within itself and after the pieces before it. Returns
+        each prompt's logits at its last row (1, vocab) and its rows' features; every row is left pending in its
+        sequence, as `prefill` leaves them, for the caller to keep."""
+        size = self.runner.max_rows
+        logits: list[torch.Tensor | None] = [None] * len(prompts)
+        pieces_features: list[list[torch.Tensor]] = [[] for _ in prompts]
+        for start in range(0, max(map(len, prompts)), size):
+            active = [j for j, prompt in enumerate(prompts) if len(prompt) > start]
+            pieces = [prompts[j][start:start + size] for j in active]
+            with contextlib.ExitStack() as earlier_pieces:
+                for j in active:
+                    earlier_pieces.enter_context(sequences[j].ahead(start))
+                found = self.verify([sequences[j] for j in active], pieces,
+                                    [torch.arange(len(piece)) + start for piece in pieces],
+                                    [causal_mask(len(piece)) for piece in pieces], feature_layer_ids)
+            # Copied out: the next replay of the same graph overwrites its outputs.
+            for j, piece, piece_logits, piece_features in zip(active, pieces, *found):
+                if start + len(piece) == len(prompts[j]):
+                    logits[j] = piece_logits[-1:].clone()
+                if piece_features is not None:
+                    pieces_features[j].append(piece_features.clone())
+        features = [torch.cat(chunks) if len(chunks) > 1 else (chunks[0] if chunks else None)
+                    for chunks in pieces_features]
+        return logits, features
 
     # Prompt batches (tokens per prompt) whose prefills meet every compiled variant of the prefill's other Triton
     # kernels (Triton compiles an integer argument apart when it is 1 or a multiple of 16); the attention's

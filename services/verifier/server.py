@@ -14,6 +14,7 @@ import time
 import uuid
 
 import grpc
+import torch
 from opentelemetry import trace
 
 from treeserve.errors import TreeserveError
@@ -231,6 +232,24 @@ class Scheduler:
                 span.end()
         self.metrics.round_seconds.labels(phase="round").observe(time.perf_counter() - started)
 
+    async def _forward(self, plans: list[ForwardPlan]) -> tuple[list, list]:
+        """forward_batch, with its results on the device when this returns, while the loop goes on serving.
+
+        On one GPU, the forward is launched from the loop's own thread (graph replays return at once) and only the
+        wait for the device goes to a worker thread. With the whole forward in a worker, each of its torch calls
+        had to win the GIL back from the loop, which at 64 requests is busy with their streams: the staging and
+        launches of a round took milliseconds longer on the H200 host. The whole forward does run in a worker
+        where it blocks: on the CPU (it computes as it is called), and under tensor parallelism, where a
+        collective with a dead rank may never return and the loop must stay free to notice and fail the streams."""
+        args = (self.target.model, plans, self.feature_layer_ids, self.verifier)
+        if self.verifier.pool.data.device.type != "cuda" or self.verifier.mirror is not None:
+            return await asyncio.to_thread(forward_batch, *args)
+        found = forward_batch(*args)
+        finished = torch.cuda.Event()
+        finished.record()
+        await asyncio.to_thread(finished.synchronize)
+        return found
+
     async def _verify(self, spans: dict[str, trace.Span]) -> None:
         trees = await self._drafts(spans)
         plans = {}
@@ -245,8 +264,7 @@ class Scheduler:
         started = time.perf_counter()
         self.round_in_flight = True
         try:  # always the same feature layers: the CUDA graphs were captured computing them
-            logits, features = await asyncio.to_thread(forward_batch, self.target.model, list(plans.values()),
-                                                       self.feature_layer_ids, self.verifier)
+            logits, features = await self._forward(list(plans.values()))
         finally:
             self.round_in_flight = False
             for generation in self.release_after_round:
@@ -264,12 +282,12 @@ class Scheduler:
         if self.adaptive is not None and all(plan.tree is not None for plan in plans.values()):  # no prefill
             self.adaptive.observe_verify(len(plans), max(plan.tree.size for plan in plans.values()),
                                          time.perf_counter() - started)
+        verified = []  # (drafted nodes, accepted depth) of each request's tree, for the metrics
         for request_id, committed in zip(alive, committed_lists):
             entry, plan = self.running[request_id], plans[request_id]
             generation = entry.generation
-            self.metrics.generated_tokens.inc(len(committed))
             if plan.tree is not None:
-                self.metrics.record_round(plan.tree.size - 1, generation.last_accepted)
+                verified.append((plan.tree.size - 1, generation.last_accepted))
                 if self.adaptive is not None:
                     self.adaptive.observe_acceptance(request_id, plan.tree.size - 1, len(committed))
             if request_id in spans:
@@ -281,6 +299,8 @@ class Scheduler:
                 entry.outbox.put_nowait(final_message(generation))
                 self.metrics.requests.labels(outcome=generation.finish_reason).inc()
                 self.cancel(request_id)
+        self.metrics.generated_tokens.inc(sum(map(len, committed_lists)))
+        self.metrics.record_trees(verified)
         self.metrics.round_seconds.labels(phase="verify").observe(time.perf_counter() - started)
 
 

@@ -59,25 +59,53 @@ class TreeRows:
         return TreeRows(self.tokens.to(device, non_blocking=non_blocking),
                         self.positions.to(device, non_blocking=non_blocking), self.paged.to(device, non_blocking))
 
+    def view(self, batch: int, rows: int) -> "TreeRows":
+        """The first (batch, rows) of rows laid out for a larger batch and rows (buffers sized for the maxima):
+        contiguous views, in the layout a forward of (batch, rows) has."""
+        n, paged = batch * rows, self.paged
+        mask = paged.tree_mask.view(-1)[:n * rows].view(batch, rows, rows)
+        return TreeRows(self.tokens[:n], self.positions[:n],
+                        PagedInputs(paged.slots[:n], paged.tables[:batch], paged.prefix_lens[:batch],
+                                    paged.new_counts[:batch], mask))
+
+
+def padded_rows(batch: int, rows: int, table_width: int, pin: bool = False) -> TreeRows:
+    """Host tensors of a forward of (batch, rows), all padding (`pin`: page-locked, so that copies to the GPU do
+    not wait on them)."""
+    def full(shape, fill, dtype):
+        return torch.full(shape, fill, dtype=dtype, pin_memory=pin)
+
+    paged = PagedInputs(full((batch * rows,), -1, torch.long), full((batch, table_width), 0, torch.int32),
+                        full((batch,), 0, torch.int32), full((batch,), 0, torch.int32),
+                        full((batch, rows, rows), 0, torch.int8))
+    return TreeRows(full((batch * rows,), 0, torch.long), full((batch * rows,), 0, torch.long), paged)
+
 
 def stage_trees(sequences: list[PagedSequence], tokens: list[list[int]], positions: list[torch.Tensor],
-                masks: list[torch.Tensor], batch: int, rows: int, table_width: int, pin: bool) -> TreeRows:
+                masks: list[torch.Tensor], batch: int, rows: int, table_width: int,
+                into: TreeRows | None = None) -> TreeRows:
     """Host tensors of one forward: each request's new rows (reserved here in its sequence) with their tokens,
-    positions and mask among themselves, padded to (batch, rows). `pin`: page-locked, so the copies to the GPU
-    do not wait on it."""
-    def new(shape, fill, dtype):
-        """A tensor and a NumPy view of it: filled through the view, which costs a fraction of torch indexing
-        (at 64 requests a round, per-request torch calls here took milliseconds)."""
-        tensor = torch.full(shape, fill, dtype=dtype, pin_memory=pin)
-        return tensor, tensor.numpy()
-
-    flat_tokens, tokens_np = new((batch, rows), 0, torch.long)
-    flat_positions, positions_np = new((batch, rows), 0, torch.long)
-    slots, slots_np = new((batch, rows), -1, torch.long)
-    tables, tables_np = new((batch, table_width), 0, torch.int32)
-    prefix_lens, prefix_np = new((batch,), 0, torch.int32)
-    counts, counts_np = new((batch,), 0, torch.int32)
-    tree_mask, mask_np = new((batch, rows, rows), 0, torch.int8)
+    positions and mask among themselves, padded to (batch, rows). Staged in new tensors, or `into`: host buffers
+    at least that large (a PagedRunner's, page-locked and reused every round: at 64 requests a round on the
+    H200, allocating page-locked tensors every round took 3.5-4.6 ms of it)."""
+    if into is None:
+        staged = padded_rows(batch, rows, table_width)
+    else:
+        staged = into.view(batch, rows)
+        staged.tokens.zero_()
+        staged.positions.zero_()
+        staged.paged.slots.fill_(-1)
+        for padding_zero in (staged.paged.tables, staged.paged.prefix_lens, staged.paged.new_counts,
+                             staged.paged.tree_mask):
+            padding_zero.zero_()
+    # Filled through NumPy views, which cost a fraction of torch indexing (at 64 requests a round, per-request
+    # torch calls here took milliseconds).
+    tokens_np, positions_np = staged.tokens.numpy().reshape(batch, rows), staged.positions.numpy().reshape(batch, rows)
+    slots_np = staged.paged.slots.numpy().reshape(batch, rows)
+    tables_np, mask_np = staged.paged.tables.numpy(), staged.paged.tree_mask.numpy()
+    prefix_np, counts_np = staged.paged.prefix_lens.numpy(), staged.paged.new_counts.numpy()
+    if tables_np.shape[1] != table_width:
+        raise TreeserveError(f"staging buffers of block-table width {tables_np.shape[1]}, not {table_width}")
     for b, (sequence, tree_tokens, tree_positions, mask) in enumerate(zip(sequences, tokens, positions, masks)):
         n = len(tree_tokens)
         prefix_np[b], counts_np[b] = sequence.length, n
@@ -89,8 +117,7 @@ def stage_trees(sequences: list[PagedSequence], tokens: list[list[int]], positio
         tokens_np[b, :n] = tree_tokens
         positions_np[b, :n] = np.asarray(tree_positions)
         mask_np[b, :n, :n] = np.asarray(mask)
-    paged = PagedInputs(slots.view(-1), tables, prefix_lens, counts, tree_mask)
-    return TreeRows(flat_tokens.view(-1), flat_positions.view(-1), paged)
+    return staged
 
 
 @dataclasses.dataclass
@@ -125,6 +152,10 @@ class PagedRunner:
         # Called with (bucket, staged rows) before each forward runs (how rank 0 of a tensor-parallel target
         # has the other ranks run the same forward).
         self.on_execute = None
+        # Host buffers that every forward up to the maxima is staged in (`_staging`), and on a GPU the event
+        # that the copies out of them have finished.
+        self.staging: TreeRows | None = None
+        self.staging_copied = torch.cuda.Event() if self.device.type == "cuda" else None
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -133,15 +164,7 @@ class PagedRunner:
 
     def _allocate_static(self) -> TreeRows:
         """Every graph's inputs, at the maxima, holding padding (nothing read, nothing written)."""
-        rows = stage_trees([], [], [], [], self.max_batch, self.max_rows, self.table_width, pin=False)
-        return rows.to(self.device)
-
-    def _static_view(self, batch: int, rows: int) -> TreeRows:
-        s, n = self.static, batch * rows
-        mask = s.paged.tree_mask.view(-1)[:n * rows].view(batch, rows, rows)
-        paged = PagedInputs(s.paged.slots[:n], s.paged.tables[:batch], s.paged.prefix_lens[:batch],
-                            s.paged.new_counts[:batch], mask)
-        return TreeRows(s.tokens[:n], s.positions[:n], paged)
+        return padded_rows(self.max_batch, self.max_rows, self.table_width).to(self.device)
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -160,7 +183,7 @@ class PagedRunner:
         gc.disable()
         try:
             for batch, rows in sorted(self.buckets, reverse=True):
-                view = self._static_view(batch, rows)
+                view = self.static.view(batch, rows)
                 self.forward(view)  # warm-up: Triton compiles, cuBLAS picks its kernels
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.memory_pool):
@@ -204,10 +227,22 @@ class PagedRunner:
         key = self.bucket(batch, rows) if self.use_graphs else None  # None: graphs off, or beyond the maxima
         batch, rows = key or (batch, rows)
         staged = stage_trees(sequences, tokens, positions, masks, batch, rows, self.table_width,
-                             pin=self.device.type == "cuda")
+                             into=self._staging(batch, rows))
         if self.on_execute is not None:
             self.on_execute(key, staged)
         return self.execute(key, staged)
+
+    def _staging(self, batch: int, rows: int) -> TreeRows | None:
+        """The host buffers to stage a forward of (batch, rows) in: allocated once at the maxima (page-locked on a
+        GPU) and reused once the copies of the forward before have left them; None beyond the maxima."""
+        if batch > self.max_batch or rows > self.max_rows:
+            return None
+        if self.staging is None:
+            self.staging = padded_rows(self.max_batch, self.max_rows, self.table_width,
+                                       pin=self.device.type == "cuda")
+        if self.staging_copied is not None:
+            self.staging_copied.synchronize()  # a round's results were awaited since: normally already past
+        return self.staging
 
     @torch.inference_mode()
     def execute(self, key: tuple[int, int] | None, staged: TreeRows) -> tuple[torch.Tensor | None, ...]:
@@ -215,13 +250,21 @@ class PagedRunner:
         batch = staged.paged.batch
         rows = staged.tokens.shape[0] // batch
         if key is None:
-            outputs = self.forward(staged.to(self.device, non_blocking=True))
+            on_device = staged.to(self.device, non_blocking=True)
+            self._copied()
+            outputs = self.forward(on_device)
         else:
-            self._load(self._static_view(*key), staged)
+            self._load(self.static.view(*key), staged)
+            self._copied()
             captured = self.graphs[key]
             captured.graph.replay()
             outputs = captured.outputs
         return tuple(None if out is None else out.view(batch, rows, *out.shape[1:]) for out in outputs)
+
+    def _copied(self) -> None:
+        """Mark (on a GPU) where the copies out of the staging buffers end in the stream."""
+        if self.staging_copied is not None:
+            self.staging_copied.record()
 
     @staticmethod
     def _load(static: TreeRows, staged: TreeRows) -> None:

@@ -10,6 +10,7 @@ sequences over the pool.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -98,6 +99,17 @@ class PagedSequence:
         if needed > 0:
             self.blocks += self.cache.allocator.allocate(needed)
         return self.slots(self.length, count)
+
+    @contextlib.contextmanager
+    def ahead(self, rows: int):
+        """For the duration, the first `rows` pending rows count as committed: what is reserved next comes after
+        them and sees them as its prefix (a prompt verified in pieces, each after the ones before it). They are
+        pending again afterwards, for `keep` to commit with the rest."""
+        self.length += rows
+        try:
+            yield self
+        finally:
+            self.length -= rows
 
     def keep(self, pending_rows: list[int]) -> None:
         """Commit the pending rows at these indices (ascending) and free the blocks past the new end."""
