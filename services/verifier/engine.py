@@ -349,11 +349,15 @@ class Generation:
         if self.feature_layer_ids:
             if features is None:
                 raise TreeserveError("this generation needs target features, and the forward gave none")
-            # Kept on the host by commit_round, when keep_features. A kept prefix of rows (a prompt, a plain step,
-            # a chain's accepted run) is a view: indexing with a list costs a copy to the device and a gather,
-            # per request and round, which at 64 requests took milliseconds of each plain round.
-            contiguous = kept[-1] == len(kept) - 1  # ascending rows: only a prefix ends at its own length - 1
-            self.last_features = features[:len(kept)] if contiguous else features[kept]
+            # Kept on the host by commit_round, when keep_features. Every row kept (a prompt, a plain step) is the
+            # tensor itself, and a kept prefix (a chain's accepted run) a view: indexing with a list costs a copy to
+            # the device and a gather, per request and round (at 64 requests, milliseconds of each plain round),
+            # and even a slice of a device tensor costs some microseconds per request and round.
+            if len(kept) == len(features):
+                self.last_features = features
+            else:
+                contiguous = kept[-1] == len(kept) - 1  # ascending rows: only a prefix ends at its own length - 1
+                self.last_features = features[:len(kept)] if contiguous else features[kept]
         if self.drafter is not None and not self.finished:
             try:
                 self.drafter.extend(self.draft_context, new_context, self.last_features)
