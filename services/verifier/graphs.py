@@ -33,6 +33,8 @@ class TreeVerifier:
     sizes up to `max_tree` (`kernels`: the Triton kernels, by default on a GPU only; elsewhere their PyTorch
     references). With `graphs`, call `capture(feature_layer_ids)` once the drafters' feature layers are known."""
 
+    PREFILL_PIECES = 8  # with graphs: prompts of up to this many times the largest rows bucket go in pieces
+
     def __init__(self, model: DecoderLM, pool: PagedKVCache, max_batch: int, max_tree: int = MAX_BUDGET + 1,
                  graphs: bool = False, kernels: bool | None = None):
         if not 1 <= max_tree <= MAX_BUDGET + 1:
@@ -99,8 +101,6 @@ class TreeVerifier:
         if features is None:
             return per_logits, [None] * len(sizes)
         return per_logits, [features[b, :n] for b, n in enumerate(sizes)]
-
-    PREFILL_PIECES = 8
 
     def prefills_in_pieces(self, rows: int) -> bool:
         """Whether a prompt of this many rows is prefilled through the runner (`prefill_in_pieces`)."""

@@ -237,10 +237,10 @@ class Scheduler:
 
         On one GPU, the forward is launched from the loop's own thread (graph replays return at once) and only the
         wait for the device goes to a worker thread. With the whole forward in a worker, each of its torch calls
-        had to win the GIL back from the loop, which at 64 requests is busy with their streams: the staging and
-        launches of a round took milliseconds longer on the H200 host. The whole forward does run in a worker
-        where it blocks: on the CPU (it computes as it is called), and under tensor parallelism, where a
-        collective with a dead rank may never return and the loop must stay free to notice and fail the streams."""
+        had to win the GIL back from the loop, which at 64 requests is busy with their streams: on the H200 host a
+        64-request plain round took 12.1 ms that way against 11.0 (docs/benchmarks.md). The whole forward does run
+        in a worker where it blocks: on the CPU (it computes as it is called), and under tensor parallelism, where
+        a collective with a dead rank may never return and the loop must stay free to notice and fail the streams."""
         args = (self.target.model, plans, self.feature_layer_ids, self.verifier)
         if self.verifier.pool.data.device.type != "cuda" or self.verifier.mirror is not None:
             return await asyncio.to_thread(forward_batch, *args)
