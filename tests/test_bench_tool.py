@@ -50,6 +50,9 @@ def test_greedy_runs_side_by_side(services, tmp_path):
         ("plain", 0, 3), ("speculative", 4, 3), ("speculative", 8, 3)]
     for row in report["runs"]:
         assert row["completed"] == 6 and row["errors"] == {} and row["output_tokens"] == 6 * 12
+        each = row["by_request"]
+        assert each["tokens"] == [12] * 6 and len(each["elapsed_s"]) == 6 and min(each["elapsed_s"]) > 0
+        assert all(1 <= rounds <= 11 for rounds in each["rounds"])  # the prefill gives the first of the 12
         assert row["ttft_ms"]["p50"] > 0 and row["itl_ms"]["p99"] >= row["itl_ms"]["p50"] > 0
         assert row["tokens_per_s"] > 0 and "verify" in row["round_ms"]
         assert row["saturated_tokens_per_s"] > 0  # more requests than workers: a stretch with all of them busy

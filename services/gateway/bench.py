@@ -100,6 +100,10 @@ def summarize(results: list[RequestResult], started: float, wall_s: float, satur
         "ttft_ms": {"p50": ms(percentile(first, 50)), "p99": ms(percentile(first, 99))},
         "itl_ms": {"p50": ms(percentile(gaps, 50)), "p99": ms(percentile(gaps, 99))},
         "tokens_per_round": round(sum(r.round_tokens for r in done) / rounds, 3) if rounds else None,
+        # Request i (prompt i modulo the prompt set, as build_requests deals them): what it got and in how many
+        # rounds (after its prefill), so that a slow request can be traced to its prompt.
+        "by_request": {"tokens": [r.tokens for r in results], "rounds": [r.rounds for r in results],
+                       "elapsed_s": [round(r.elapsed_s, 3) for r in results]},
     }
 
 
