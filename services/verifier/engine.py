@@ -22,7 +22,7 @@ from treeserve.sampling import pick_tokens, random_seed, sampling_setting
 from treeserve.tokenizer import Tokenizer
 from treeserve.tree import MAX_BUDGET, DraftPoolFull, DraftTree, Drafter
 from treeserve.verifier.acceptance import walk_tree
-from treeserve.verifier.graphs import TreeVerifier
+from treeserve.verifier.graphs import TreeVerifier, causal_mask
 
 
 @dataclasses.dataclass
@@ -132,8 +132,7 @@ def _forward_packed(model: DecoderLM, plans: list[ForwardPlan], feature_layer_id
 
 
 def _mask(plan: ForwardPlan) -> torch.Tensor:
-    n = len(plan.tokens)
-    return plan.mask if plan.mask is not None else torch.ones(n, n, dtype=torch.bool).tril_()
+    return plan.mask if plan.mask is not None else causal_mask(len(plan.tokens))
 
 
 class FeatureBacklog:

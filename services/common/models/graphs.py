@@ -68,17 +68,25 @@ class TreeRows:
                         PagedInputs(paged.slots[:n], paged.tables[:batch], paged.prefix_lens[:batch],
                                     paged.new_counts[:batch], mask))
 
+    def pad_(self) -> "TreeRows":
+        """Every row padding, in place: slot -1 (writes nowhere), everything else 0 (no request, nothing seen)."""
+        self.paged.slots.fill_(-1)
+        for tensor in (self.tokens, self.positions, self.paged.tables, self.paged.prefix_lens,
+                       self.paged.new_counts, self.paged.tree_mask):
+            tensor.zero_()
+        return self
+
 
 def padded_rows(batch: int, rows: int, table_width: int, pin: bool = False) -> TreeRows:
     """Host tensors of a forward of (batch, rows), all padding (`pin`: page-locked, so that copies to the GPU do
     not wait on them)."""
-    def full(shape, fill, dtype):
-        return torch.full(shape, fill, dtype=dtype, pin_memory=pin)
+    def empty(*shape, dtype=torch.long):
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
-    paged = PagedInputs(full((batch * rows,), -1, torch.long), full((batch, table_width), 0, torch.int32),
-                        full((batch,), 0, torch.int32), full((batch,), 0, torch.int32),
-                        full((batch, rows, rows), 0, torch.int8))
-    return TreeRows(full((batch * rows,), 0, torch.long), full((batch * rows,), 0, torch.long), paged)
+    paged = PagedInputs(empty(batch * rows), empty(batch, table_width, dtype=torch.int32),
+                        empty(batch, dtype=torch.int32), empty(batch, dtype=torch.int32),
+                        empty(batch, rows, rows, dtype=torch.int8))
+    return TreeRows(empty(batch * rows), empty(batch * rows), paged).pad_()
 
 
 def stage_trees(sequences: list[PagedSequence], tokens: list[list[int]], positions: list[torch.Tensor],
@@ -87,24 +95,15 @@ def stage_trees(sequences: list[PagedSequence], tokens: list[list[int]], positio
     """Host tensors of one forward: each request's new rows (reserved here in its sequence) with their tokens,
     positions and mask among themselves, padded to (batch, rows). Staged in new tensors, or `into`: host buffers
     at least that large (a PagedRunner's, page-locked, allocated once and reused every round)."""
-    if into is None:
-        staged = padded_rows(batch, rows, table_width)
-    else:
-        staged = into.view(batch, rows)
-        staged.tokens.zero_()
-        staged.positions.zero_()
-        staged.paged.slots.fill_(-1)
-        for padding_zero in (staged.paged.tables, staged.paged.prefix_lens, staged.paged.new_counts,
-                             staged.paged.tree_mask):
-            padding_zero.zero_()
+    if into is not None and into.paged.tables.shape[1] != table_width:
+        raise TreeserveError(f"staging buffers of block-table width {into.paged.tables.shape[1]}, not {table_width}")
+    staged = padded_rows(batch, rows, table_width) if into is None else into.view(batch, rows).pad_()
     # Filled through NumPy views, which cost a fraction of torch indexing (at 64 requests a round, per-request
     # torch calls here took milliseconds).
     tokens_np, positions_np = staged.tokens.numpy().reshape(batch, rows), staged.positions.numpy().reshape(batch, rows)
     slots_np = staged.paged.slots.numpy().reshape(batch, rows)
     tables_np, mask_np = staged.paged.tables.numpy(), staged.paged.tree_mask.numpy()
     prefix_np, counts_np = staged.paged.prefix_lens.numpy(), staged.paged.new_counts.numpy()
-    if tables_np.shape[1] != table_width:
-        raise TreeserveError(f"staging buffers of block-table width {tables_np.shape[1]}, not {table_width}")
     for b, (sequence, tree_tokens, tree_positions, mask) in enumerate(zip(sequences, tokens, positions, masks)):
         n = len(tree_tokens)
         prefix_np[b], counts_np[b] = sequence.length, n
