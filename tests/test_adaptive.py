@@ -12,7 +12,7 @@ import pytest
 from test_services import PROMPTS, SERVING, Services, expected, health, request, run_all, scrape, wait_for
 from treeserve.loading import load_target
 from treeserve.telemetry import round_totals
-from treeserve.verifier.adaptive import BUDGET_STEPS, AdaptiveSpeculation, RecentCost
+from treeserve.verifier.adaptive import BUDGET_STEPS, AdaptiveSpeculation, Calibration, RecentCost
 
 
 def costs(adaptive: AdaptiveSpeculation, batch: int, verify_ms: dict[int, float], draft_ms: float = 0.0,
@@ -175,8 +175,9 @@ def test_bounds_and_own_budgets_cap_the_choice():
 
 
 def test_unmeasured_sizes_are_tried_before_judged():
+    adaptive = AdaptiveSpeculation(min_budget=1)
+    assert adaptive.choose({"a": 16}, batch=1) == 16  # nothing measured, plain not allowed: as asked, and learn
     adaptive = AdaptiveSpeculation()
-    assert adaptive.choose({"a": 16}, batch=1) == 16  # nothing measured: speculate as asked, and learn
     costs(adaptive, 1, {1: 5.0, 17: 6.0})
     accept(adaptive, ["a"], 16, 3)
     # Budget 32 (33 nodes) is unmeasured: it costs what 17 nodes cost until tried, so it is tried.
@@ -204,6 +205,51 @@ def test_a_request_with_poor_acceptance_does_not_drag_the_rest():
     assert adaptive.choose({"good": 16, "poor": 16}, batch=2) > 0
     adaptive.forget("good")
     assert "good" not in adaptive.slopes
+
+
+def test_plain_rounds_are_measured_before_trees_are_judged_against_them():
+    """Priced like the nearest measured bucket, a larger tree's, plain decoding could never win: a server whose
+    requests all speculate from the start would never stop speculating."""
+    adaptive = AdaptiveSpeculation()
+    ids = [f"r{i}" for i in range(8)]
+    costs(adaptive, 8, {17: 20.0}, draft_ms=5.0)  # only trees measured so far
+    accept(adaptive, ids, 16, 2)  # 2 tokens a round: more than plain rounds at a tree's price would give
+    assert adaptive.choose({i: 16 for i in ids}, batch=8) == 0
+    costs(adaptive, 8, {1: 5.0}, draft_ms=5.0)
+    assert [adaptive.choose({i: 16 for i in ids}, batch=8) for _ in range(20)] == [0] * 20
+    assert adaptive.choose({i: 16 for i in ids}, batch=16) == 0  # another batch bucket: its plain rounds first
+
+
+def test_rounds_that_realize_less_than_expected_scale_the_model_down():
+    """Requests whose slopes promise more than their rounds emit (new requests on the all-request slope, say):
+    once a few rounds have shown it, the model's drafted tokens are scaled by what rounds realized, and plain
+    decoding wins; where rounds realize what was expected, speculation goes on."""
+    tree_costs = {1: 5.0, 2: 5.3, 3: 5.6, 5: 6.0, 9: 6.7, 17: 7.5}
+
+    def played(realized_per_request: float) -> list[int]:
+        adaptive = AdaptiveSpeculation()
+        ids = [f"r{i}" for i in range(8)]
+        costs(adaptive, 8, tree_costs, draft_ms=0.5)  # at 16: break-even at 1.6 tokens a request and round
+        accept(adaptive, ids, 16, 5)  # the slopes say 5 tokens a round
+        choices = []
+        for _ in range(2 * Calibration.SETTLED):
+            choices.append(adaptive.choose({i: 16 for i in ids}, batch=8))
+            adaptive.observe_round(8, round(8 * (realized_per_request if choices[-1] else 1)))
+        return choices
+
+    assert played(1.25) == [16] * Calibration.SETTLED + [0] * Calibration.SETTLED
+    assert played(4.0) == [16] * (2 * Calibration.SETTLED)
+    adaptive = AdaptiveSpeculation()
+    costs(adaptive, 8, tree_costs)
+    accept(adaptive, ["a"], 16, 5)
+    for _ in range(Calibration.SETTLED):
+        assert adaptive.calibration_factor(8) == 1.0  # not settled yet: the model as it is
+        chosen = adaptive.choose({"a": 16}, batch=8)  # one request speculates, seven decode plainly
+        assert chosen > 0
+        batch, factor = adaptive.observe_round(8, 8 + 1)  # 1 drafted token realized
+    assert batch == 8 and factor == pytest.approx(1 / (adaptive.expected_tokens("a", chosen) - 1))
+    assert adaptive.calibration_factor(5) == factor and adaptive.calibration_factor(16) == 1.0
+    assert adaptive.observe_round(8, 8) is None  # no speculative round was chosen since
 
 
 @pytest.mark.slow

@@ -148,6 +148,10 @@ class VerifierMetrics:
         self.rounds_by_budget = Counter("treeserve_verifier_rounds_by_budget",
                                         "Rounds by the tree budget adaptive speculation chose (0: plain)", ["budget"],
                                         registry=r)
+        self.realized_over_expected = Gauge(
+            "treeserve_verifier_realized_over_expected", "Adaptive speculation: drafted tokens that recent "
+            "speculative rounds at this batch bucket emitted over what its model expected (it scales the model)",
+            ["batch"], registry=r)
 
     def record_trees(self, trees: list[tuple[int, int]]) -> None:
         """A round's verified trees, as (drafted nodes, accepted depth) per request (0 drafted: a plain step,

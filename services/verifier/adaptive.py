@@ -8,14 +8,22 @@ b + 1. The slope s is learnt per request as a ratio of decaying sums (tokens acc
 log2(1 + b)), shrunk towards the same ratio over all requests: acceptance comes in bursts (a stretch that copies
 the prompt, then misses), and an average of per-round slopes swings with each burst where a ratio of sums
 does not. Costs are learnt per (batch bucket, tree bucket) from the rounds themselves (the median of the last
-few). Until a bucket has a few, its cost is the nearest settled bucket's plus the difference between their CUDA
-graphs, timed at start-up; without graph timings it costs at most what the nearest smaller one measured, so a
-larger tree is tried before it is judged.
+few). Plain rounds are measured first at each batch bucket: they are the yardstick. Until a tree bucket has a
+few, its cost is the nearest settled bucket's plus the difference between their CUDA graphs, timed at start-up;
+without graph timings it costs at most what the nearest smaller one measured, so a larger tree is tried before
+it is judged.
 
 So the choice is one budget T for the round (0: plain decoding, no drafter call): each speculating request drafts
 min(T, its own budget), and
 
-    T = argmax  sum_i E_i(min(T, budget_i)) / (draft_time(batch, T) + verify_time(batch, T + 1 nodes)).
+    T = argmax  (batch + c(batch) * sum_i (E_i(min(T, budget_i)) - 1))
+                / (draft_time(batch, T) + verify_time(batch, T + 1 nodes)).
+
+c(batch) checks the model against what speculative rounds at that batch bucket really drafted: their realized
+drafted tokens over the model's expected ones (decaying sums), 1 until a few rounds are seen. The slopes alone
+read high where acceptance shifts along requests and where rounds are chosen on a good estimate: on the H200,
+sampled n-gram drafts made a new request expect 4.3 tokens a round from the all-request slope (a request's first
+rounds copy from its prompt and accept well) where it had about 1.5, and rounds speculated and lost.
 
 Plain decoding stays a candidate in every round, so where verification turns compute-bound (large batches),
 speculation switches itself off rather than costing throughput.
@@ -72,6 +80,29 @@ class AcceptanceSlope:
         return (self.accepted + prior * prior_weight) / (self.log_budget + prior_weight)
 
 
+class Calibration:
+    """What speculative rounds of one batch bucket emitted beyond one token per request, over what the model
+    expected of them, as decaying sums (each round weighs `1 - DECAY` times the one after it)."""
+
+    DECAY, SETTLED = 0.02, 3
+
+    def __init__(self):
+        self.realized = self.expected = 0.0
+        self.rounds = 0
+
+    def add(self, realized: float, expected: float) -> None:
+        self.realized = self.realized * (1 - self.DECAY) + realized
+        self.expected = self.expected * (1 - self.DECAY) + expected
+        self.rounds += 1
+
+    @property
+    def factor(self) -> float:
+        """Realized over expected drafted tokens; 1 until SETTLED rounds are seen."""
+        if self.rounds < self.SETTLED or self.expected <= 0:
+            return 1.0
+        return self.realized / self.expected
+
+
 def tokens_per_round(slope: float, budget: int) -> float:
     """A request's expected tokens from a round at this budget: 1 + slope * log2(1 + budget), at most budget + 1
     (1 without a tree)."""
@@ -118,6 +149,9 @@ class AdaptiveSpeculation:
         self.draft_s: dict[int, dict[int, RecentCost]] = {}
         self.graph_s: dict[int, dict[int, float]] = {}  # each captured graph's replay alone, timed at start-up
         self.slopes: dict[str, AcceptanceSlope] = {}
+        self.calibration: dict[int, Calibration] = {}  # batch bucket -> its speculative rounds' record
+        # (batch bucket, expected drafted tokens) of a speculative round chosen last, until observe_round
+        self.pending: tuple[int, float] | None = None
         self.overall_slope = AcceptanceSlope(decay)
         self.prior_slope = prior_slope
         self.last_choice = 0
@@ -155,6 +189,23 @@ class AdaptiveSpeculation:
         accepted, log_budget = max(0, tokens - 1), math.log2(1 + budget)
         self.slopes.setdefault(request_id, AcceptanceSlope(self.decay)).add(accepted, log_budget)
         self.overall_slope.add(accepted, log_budget)
+
+    def observe_round(self, requests: int, tokens: int) -> tuple[int, float] | None:
+        """The round chosen last emitted `tokens` for its `requests` (prefilled and new): a speculative round's
+        realized drafted tokens are checked against the model's expected ones. Returns its batch bucket and the
+        bucket's realized over expected factor now; None for a plain round."""
+        if self.pending is None:
+            return None
+        batch, expected = self.pending
+        self.pending = None
+        record = self.calibration.setdefault(batch, Calibration())
+        record.add(max(0, tokens - requests), expected)
+        return batch, record.factor
+
+    def calibration_factor(self, batch: int) -> float:
+        """Realized over expected drafted tokens of speculative rounds at this batch's bucket (1 when unknown)."""
+        record = self.calibration.get(batch_bucket(batch))
+        return record.factor if record is not None else 1.0
 
     def forget(self, request_id: str) -> None:
         self.slopes.pop(request_id, None)
@@ -227,11 +278,16 @@ class AdaptiveSpeculation:
         return next((cost for size in others if (cost := self._estimate(self.draft_s, size, bucket)) is not None),
                     0.0)
 
+    def _plain_settled(self, batch: int) -> bool:
+        plain = self.verify_s.get(batch_bucket(batch), {}).get(tree_bucket(1))
+        return plain is not None and plain.settled
+
     # --------------------------------------------------------------------------------------------------- choice
 
     def choose(self, budgets: dict[str, int], batch: int) -> int:
         """The round budget for the speculating requests (`budgets`: request id -> its own budget) in a batch of
         `batch` requests (the rest decode plainly: one token each)."""
+        self.pending = None
         if not budgets:
             return 0
         most = min(self.max_budget, max(budgets.values()))
@@ -245,24 +301,26 @@ class AdaptiveSpeculation:
         candidates = [step for step in (0,) + BUDGET_STEPS if self.min_budget <= step <= most]
         if not candidates:
             candidates = [min(self.min_budget, most)]
-        plain = batch - len(budgets)
+        if 0 in candidates and not self._plain_settled(batch):
+            # Plain rounds are what trees are judged against: measured first. Priced by a tree's cost instead, as
+            # an unmeasured bucket with only larger ones measured is, plain decoding could never win a round.
+            self.last_choice = 0
+            return 0
         overall = self.overall_slope.value(self.prior_slope, self.PRIOR_WEIGHT)
         slopes = [(self.slope(request_id, overall), own) for request_id, own in budgets.items()]
-        rates = {}
+        rates, drafted, factor = {}, {}, self.calibration_factor(batch)
         for step in candidates:
             seconds = self.round_seconds(batch, step)
             if seconds is None:  # nothing measured at this batch size yet: speculate as asked, and learn
                 self.last_choice = most
                 return most
-            if step == 0:
-                tokens = batch
-            else:
-                tokens = plain + sum(tokens_per_round(slope, min(step, own)) for slope, own in slopes)
+            drafted[step] = sum(tokens_per_round(slope, min(step, own)) - 1 for slope, own in slopes) if step else 0.0
+            tokens = batch + factor * drafted[step]
             rates[step] = tokens / max(seconds, 1e-9)
         best = max(rates, key=lambda step: (rates[step], -step))  # ties: the smaller tree
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("adaptive: batch %d, mean slope %.2f, expected tokens/s by budget %s", batch,
-                      statistics.fmean(slope for slope, _ in slopes),
+            log.debug("adaptive: batch %d, mean slope %.2f, realized over expected drafts %.2f, expected tokens/s "
+                      "by budget %s", batch, statistics.fmean(slope for slope, _ in slopes), factor,
                       {step: round(rate, 1) for step, rate in rates.items()})
         if best > 0:
             self.plain_rounds, self.explore_interval = 0, self.explore_every
@@ -274,5 +332,7 @@ class AdaptiveSpeculation:
                 self.explore_interval = min(2 * self.explore_interval, self.EXPLORE_AT_MOST)
         if best == 0:
             self.plain_signature = signature
+        else:
+            self.pending = (batch_bucket(batch), drafted[best])
         self.last_choice = best
         return best

@@ -299,7 +299,12 @@ class Scheduler:
                 entry.outbox.put_nowait(final_message(generation))
                 self.metrics.requests.labels(outcome=generation.finish_reason).inc()
                 self.cancel(request_id)
-        self.metrics.generated_tokens.inc(sum(map(len, committed_lists)))
+        round_tokens = sum(map(len, committed_lists))
+        checked = self.adaptive.observe_round(len(alive), round_tokens) if self.adaptive is not None else None
+        if checked is not None:
+            batch, factor = checked
+            self.metrics.realized_over_expected.labels(batch=str(batch)).set(factor)
+        self.metrics.generated_tokens.inc(round_tokens)
         self.metrics.record_trees(verified)
         self.metrics.round_seconds.labels(phase="verify").observe(time.perf_counter() - started)
 
