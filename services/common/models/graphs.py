@@ -132,6 +132,12 @@ class PagedRunner:
     `forward(rows: TreeRows)` returns a tuple of tensors (or None) whose first dimension is the rows; it may
     only read `rows` and the pool, so that a graph captured on static inputs replays it."""
 
+    # Forwards are staged in two sets of host buffers in turn: a forward that follows another one within a round
+    # (a prompt's next piece) is staged while the copies of the one before are still queued behind that one's
+    # own predecessor. With one set, the host waited for them: on the H200 host, 1.9 ms of a 64-request round
+    # with new prompts coming in (docs/benchmarks.md).
+    STAGING_BUFFERS = 2
+
     def __init__(self, pool: PagedKVCache, forward, max_batch: int, row_buckets: list[int], max_length: int,
                  graphs: bool = False):
         if max_batch < 1 or not row_buckets:
@@ -150,10 +156,12 @@ class PagedRunner:
         # Called with (bucket, staged rows) before each forward runs (how rank 0 of a tensor-parallel target
         # has the other ranks run the same forward).
         self.on_execute = None
-        # Host buffers that every forward up to the maxima is staged in (`_staging`), and on a GPU the event
-        # that the copies out of them have finished.
-        self.staging: TreeRows | None = None
-        self.staging_copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        # Host buffers that forwards up to the maxima are staged in (`_staging`), used in turn, and on a GPU
+        # each one's event that the copies out of it have finished.
+        self.staging: list[TreeRows] = []
+        self.staging_copied = ([torch.cuda.Event() for _ in range(self.STAGING_BUFFERS)]
+                               if self.device.type == "cuda" else None)
+        self.staged_in = 0  # the buffers the last forward was staged in
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -231,16 +239,18 @@ class PagedRunner:
         return self.execute(key, staged)
 
     def _staging(self, batch: int, rows: int) -> TreeRows | None:
-        """The host buffers to stage a forward of (batch, rows) in: allocated once at the maxima (page-locked on a
-        GPU) and reused once the copies of the forward before have left them; None beyond the maxima."""
+        """The host buffers to stage a forward of (batch, rows) in: the next of STAGING_BUFFERS sets, each
+        allocated once at the maxima (page-locked on a GPU) and reused once the copies out of it have finished
+        (queued two forwards back: normally long past); None beyond the maxima."""
         if batch > self.max_batch or rows > self.max_rows:
             return None
-        if self.staging is None:
-            self.staging = padded_rows(self.max_batch, self.max_rows, self.table_width,
-                                       pin=self.device.type == "cuda")
+        if not self.staging:
+            self.staging = [padded_rows(self.max_batch, self.max_rows, self.table_width, pin=self.device.type == "cuda")
+                            for _ in range(self.STAGING_BUFFERS)]
+        self.staged_in = (self.staged_in + 1) % self.STAGING_BUFFERS
         if self.staging_copied is not None:
-            self.staging_copied.synchronize()  # a round's results were awaited since: normally already past
-        return self.staging
+            self.staging_copied[self.staged_in].synchronize()
+        return self.staging[self.staged_in]
 
     @torch.inference_mode()
     def execute(self, key: tuple[int, int] | None, staged: TreeRows) -> tuple[torch.Tensor | None, ...]:
@@ -260,9 +270,9 @@ class PagedRunner:
         return tuple(None if out is None else out.view(batch, rows, *out.shape[1:]) for out in outputs)
 
     def _copied(self) -> None:
-        """Mark (on a GPU) where the copies out of the staging buffers end in the stream."""
+        """Mark (on a GPU) where the copies out of the last staging buffers end in the stream."""
         if self.staging_copied is not None:
-            self.staging_copied.record()
+            self.staging_copied[self.staged_in].record()
 
     @staticmethod
     def _load(static: TreeRows, staged: TreeRows) -> None:
