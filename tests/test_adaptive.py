@@ -57,8 +57,8 @@ def test_compute_bound_batches_fall_back_to_plain_decoding():
 def test_failed_explorations_back_off():
     adaptive = AdaptiveSpeculation()
     ids = ["a", "b"]
-    costs(adaptive, 2, {1: 5.0, 17: 20.0}, draft_ms=5.0)  # trees cost 5x: a drafter that never pays
-    accept(adaptive, ids, 16, 1)
+    costs(adaptive, 2, {1: 5.0, 17: 5.5}, draft_ms=0.1)  # cheap trees (a try costs little)...
+    accept(adaptive, ids, 16, 1)  # ...that accept nothing: a drafter that never pays
 
     def rounds_until_a_try():
         for played in range(1, 5000):
@@ -72,6 +72,22 @@ def test_failed_explorations_back_off():
     costs(adaptive, 2, {1: 5.0, 17: 5.5}, samples=RecentCost.WINDOW)
     accept(adaptive, ids, 16, 8, rounds=30)
     assert adaptive.choose({i: 16 for i in ids}, batch=2) == 16 and adaptive.explore_interval == 32
+
+
+def test_a_dear_try_waits_until_it_is_a_small_share_of_the_time():
+    """A DFlash try at 64 requests on the H200: the drafter catches up every request's features, 250 ms against
+    11 ms plain rounds. It comes once the plain rounds since the last one have taken 1 / EXPLORE_SHARE times
+    what it costs beyond a plain round, not after explore_every rounds."""
+    adaptive = AdaptiveSpeculation()
+    ids = [f"r{i}" for i in range(64)]
+    costs(adaptive, 64, {1: 11.0, 2: 12.0, 3: 13.0, 5: 14.0, 9: 16.0, 17: 20.0}, draft_ms=250.0)
+    accept(adaptive, ids, 16, 1)
+    for played in range(1, 5000):
+        if adaptive.choose({i: 16 for i in ids}, batch=64) > 0:
+            break
+    extra_s = adaptive.try_extra_s
+    assert 0.250 <= extra_s <= 0.260
+    assert abs(played - extra_s / AdaptiveSpeculation.EXPLORE_SHARE / 0.011) <= 1
 
 
 def test_a_stretch_of_misses_does_not_stop_trees_that_pay_on_average():

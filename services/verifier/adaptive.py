@@ -133,6 +133,10 @@ class AdaptiveSpeculation:
     PRIOR_WEIGHT = 4.0
     # Exploration backs off to at most this many plain rounds between tries, while tries keep failing.
     EXPLORE_AT_MOST = 1024
+    # And a try waits until it costs at most this share of the plain rounds' time since the last one. A DFlash
+    # try at 64 requests on the H200 cost 230-300 ms more than a plain round (the drafter catches up every
+    # request's features), and the 1-3 tries a 5-second run made by round count alone cost it 5-15 %.
+    EXPLORE_SHARE = 0.02
     # A plain decision stands for up to this many more rounds of the same batch: plain rounds observe no
     # acceptance, so the choice's inputs hardly move, and working it out (tens of microseconds to a tenth of a
     # millisecond on the CPU machine) was a visible part of a SmolLM2 round at one request.
@@ -155,12 +159,16 @@ class AdaptiveSpeculation:
         self.overall_slope = AcceptanceSlope(decay)
         self.prior_slope = prior_slope
         self.last_choice = 0
-        # After `explore_interval` plain rounds in a row, one round speculates anyway: acceptance is only learnt
-        # from trees, and it changes along a request (a repetitive stretch, a new topic). A try that does not
-        # win speculation back doubles the interval, so a drafter that never pays (its catch-up drafts are the
-        # dearest rounds) costs ever less; a round that speculates on its merits resets it.
+        # After `explore_interval` plain rounds in a row (and EXPLORE_SHARE), one round speculates anyway:
+        # acceptance is only learnt from trees, and it changes along a request (a repetitive stretch, a new
+        # topic). A try that does not win speculation back doubles the interval, so a drafter that never pays
+        # (its catch-up drafts are the dearest rounds) costs ever less; a round that speculates on its merits
+        # resets it.
         self.explore_every, self.explore_interval, self.plain_rounds = explore_every, explore_every, 0
+        self.plain_seconds = 0.0  # the plain rounds' estimated time since the last speculative round
+        self.try_extra_s = 0.0  # what a try would cost beyond a plain round, as last worked out
         self.plain_signature: tuple | None = None  # (batch, speculating requests, largest budget) of a plain choice
+        self.plain_round_s = 0.0  # the estimated plain round of that choice
         self.reused = 0
 
     # ------------------------------------------------------------------------------------------- observations
@@ -278,6 +286,11 @@ class AdaptiveSpeculation:
         return next((cost for size in others if (cost := self._estimate(self.draft_s, size, bucket)) is not None),
                     0.0)
 
+    def _try_due(self, plain_rounds: int, plain_seconds: float) -> bool:
+        """Whether plain rounds have gone on long enough for a speculative try: explore_interval of them, and
+        enough of their time that the try costs at most EXPLORE_SHARE of it."""
+        return plain_rounds >= self.explore_interval and plain_seconds * self.EXPLORE_SHARE >= self.try_extra_s
+
     def _plain_settled(self, batch: int) -> bool:
         plain = self.verify_s.get(batch_bucket(batch), {}).get(tree_bucket(1))
         return plain is not None and plain.settled
@@ -293,9 +306,10 @@ class AdaptiveSpeculation:
         most = min(self.max_budget, max(budgets.values()))
         signature = (batch, len(budgets), most)
         if (signature == self.plain_signature and self.reused < self.REUSE_PLAIN
-                and self.plain_rounds + 1 < self.explore_interval):  # never skips an exploration round
-            self.reused += 1
+                and not self._try_due(self.plain_rounds + 1, self.plain_seconds + self.plain_round_s)):
+            self.reused += 1  # (never in place of a try)
             self.plain_rounds += 1
+            self.plain_seconds += self.plain_round_s
             return 0
         self.plain_signature, self.reused = None, 0
         candidates = [step for step in (0,) + BUDGET_STEPS if self.min_budget <= step <= most]
@@ -308,30 +322,35 @@ class AdaptiveSpeculation:
             return 0
         overall = self.overall_slope.value(self.prior_slope, self.PRIOR_WEIGHT)
         slopes = [(self.slope(request_id, overall), own) for request_id, own in budgets.items()]
-        rates, drafted, factor = {}, {}, self.calibration_factor(batch)
+        rates, seconds, drafted, factor = {}, {}, {}, self.calibration_factor(batch)
         for step in candidates:
-            seconds = self.round_seconds(batch, step)
-            if seconds is None:  # nothing measured at this batch size yet: speculate as asked, and learn
+            seconds[step] = self.round_seconds(batch, step)
+            if seconds[step] is None:  # nothing measured at this batch size yet: speculate as asked, and learn
                 self.last_choice = most
                 return most
             drafted[step] = sum(tokens_per_round(slope, min(step, own)) - 1 for slope, own in slopes) if step else 0.0
             tokens = batch + factor * drafted[step]
-            rates[step] = tokens / max(seconds, 1e-9)
+            rates[step] = tokens / max(seconds[step], 1e-9)
         best = max(rates, key=lambda step: (rates[step], -step))  # ties: the smaller tree
         if log.isEnabledFor(logging.DEBUG):
             log.debug("adaptive: batch %d, mean slope %.2f, realized over expected drafts %.2f, expected tokens/s "
                       "by budget %s", batch, statistics.fmean(slope for slope, _ in slopes), factor,
                       {step: round(rate, 1) for step, rate in rates.items()})
         if best > 0:
-            self.plain_rounds, self.explore_interval = 0, self.explore_every
+            self.plain_rounds, self.plain_seconds, self.explore_interval = 0, 0.0, self.explore_every
         else:
             self.plain_rounds += 1
-            if self.plain_rounds >= self.explore_interval and len(rates) > 1:
-                best = max((step for step in rates if step > 0), key=lambda step: rates[step])
-                self.plain_rounds = 0
-                self.explore_interval = min(2 * self.explore_interval, self.EXPLORE_AT_MOST)
+            self.plain_seconds += seconds[0]
+            tries = [step for step in rates if step > 0]
+            if tries:
+                trial = max(tries, key=lambda step: rates[step])
+                self.try_extra_s = max(0.0, seconds[trial] - seconds[0])
+                if self._try_due(self.plain_rounds, self.plain_seconds):
+                    best = trial
+                    self.plain_rounds, self.plain_seconds = 0, 0.0
+                    self.explore_interval = min(2 * self.explore_interval, self.EXPLORE_AT_MOST)
         if best == 0:
-            self.plain_signature = signature
+            self.plain_signature, self.plain_round_s = signature, seconds[0]
         else:
             self.pending = (batch_bucket(batch), drafted[best])
         self.last_choice = best
