@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from random_targets import ENGINE_FAMILIES, RandomTreeDrafter, random_target, word_tokenizer
 from treeserve.detokenize import TextStream
@@ -218,33 +219,48 @@ def test_requests_batched_into_one_forward_each_get_their_own_output():
     assert [finished[i] for i in range(len(requests))] == references
 
 
-def test_kept_features_reach_the_host_in_order_when_flushed():
-    """FeatureBacklog: rows gathered over rounds land on each generation's feature_chunks in round order, only
-    when flushed (before a draft) or once FLUSH_ROUNDS rounds piled up."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_kept_features_reach_the_host_in_order_when_flushed(device):
+    """FeatureBacklog: rows gathered over rounds land on each generation's feature_chunks in round order, one
+    chunk per generation and transfer, only when flushed (before a draft) or once FLUSH_ROUNDS rounds piled up;
+    from a GPU, in page-locked memory. A long request's views of shared transfers get joined into its own."""
     from types import SimpleNamespace
-
-    import torch
 
     from treeserve.verifier.engine import FeatureBacklog
 
-    a, b = (SimpleNamespace(last_features=None, feature_chunks=[]) for _ in range(2))
+    a, b = (SimpleNamespace(last_features=None, feature_chunks=[], sent=[]) for _ in range(2))
     backlog = FeatureBacklog()
-    rows = iter(range(1000))
+    rows = iter(range(10000))
 
     def round_of(*generations_and_counts):
         for generation, count in generations_and_counts:
-            generation.last_features = torch.tensor([[float(next(rows))] for _ in range(count)])
+            values = [float(next(rows)) for _ in range(count)]
+            generation.sent.extend(values)
+            generation.last_features = torch.tensor([[value] for value in values], device=device)
         backlog.add([generation for generation, _ in generations_and_counts])
+
+    def received(generation):
+        return torch.cat(generation.feature_chunks).flatten().tolist()
 
     round_of((a, 3), (b, 1))  # a's prompt of three rows, b's plain step
     round_of((b, 2))
     round_of((a, 1), (b, 1))
     assert a.feature_chunks == [] and b.feature_chunks == []  # nothing moved yet
     backlog.flush()
-    assert torch.cat(a.feature_chunks).flatten().tolist() == [0, 1, 2, 6]
-    assert torch.cat(b.feature_chunks).flatten().tolist() == [3, 4, 5, 7]
+    assert [chunk.flatten().tolist() for chunk in a.feature_chunks] == [[0, 1, 2, 6]]
+    assert [chunk.flatten().tolist() for chunk in b.feature_chunks] == [[3, 4, 5, 7]]
     backlog.flush()  # nothing left: nothing added
-    assert len(a.feature_chunks) == 2 and len(b.feature_chunks) == 3
+    assert len(a.feature_chunks) == 1 and len(b.feature_chunks) == 1
     for _ in range(FeatureBacklog.FLUSH_ROUNDS):
         round_of((a, 1))
-    assert len(a.feature_chunks) == 2 + FeatureBacklog.FLUSH_ROUNDS and not backlog.rounds
+    assert len(a.feature_chunks) == 2 and not backlog.rounds  # moved without a flush
+    backlog.flush()  # (from a GPU, that copy may still be running until a flush)
+    assert received(a) == a.sent and received(b) == b.sent
+    assert all(chunk.device.type == "cpu" and chunk.is_pinned() == (device == "cuda") for chunk in a.feature_chunks)
+    for _ in range(3 * FeatureBacklog.JOIN_CHUNKS):
+        round_of((b, 2), (a, 1))
+        backlog.flush()
+    assert received(a) == a.sent and received(b) == b.sent
+    views = [chunk for chunk in a.feature_chunks if chunk._base is not None]
+    assert len(a.feature_chunks) <= 3 + FeatureBacklog.JOIN_CHUNKS and len(views) <= FeatureBacklog.JOIN_CHUNKS
