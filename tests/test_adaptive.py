@@ -88,6 +88,13 @@ def test_a_dear_try_waits_until_it_is_a_small_share_of_the_time():
     extra_s = adaptive.try_extra_s
     assert 0.250 <= extra_s <= 0.260
     assert abs(played - extra_s / AdaptiveSpeculation.EXPLORE_SHARE / 0.011) <= 1
+    # Drafts timed only at one request (12 ms, a catch-up of one request's context) price a try at 64 requests
+    # as 64 of them: the H200 try priced at 12 ms cost 430 ms.
+    fresh = AdaptiveSpeculation()
+    costs(fresh, 1, {1: 1.7, 17: 2.0}, draft_ms=12.0)
+    costs(fresh, 64, {1: 11.0, 2: 12.0, 3: 13.0, 5: 14.0, 9: 16.0, 17: 20.0})
+    del fresh.draft_s[64]
+    assert fresh.round_seconds(64, 1) == pytest.approx(0.012 + 64 * 0.012)
 
 
 def test_a_stretch_of_misses_does_not_stop_trees_that_pay_on_average():

@@ -278,13 +278,16 @@ class AdaptiveSpeculation:
         """The drafter's cost for this batch and tree bucket. A batch size whose drafts were never timed takes
         the figure of the nearest batch size that was (the smaller on a tie), not zero: the batch changes as
         requests come and go, and a draft assumed free made each new batch size try trees whatever they cost (a
-        DFlash draft at 64 requests on the H200: 20-80 ms). Zero only before any draft was timed."""
+        DFlash draft at 64 requests on the H200: 20-80 ms). A smaller batch's figure is scaled up to this one:
+        a try after plain rounds sends every request's context since its last draft, and that grows with the
+        batch (on the H200, a DFlash try at 64 requests priced at one request's 12 ms cost 430 ms). Zero only
+        before any draft was timed."""
         own = self._estimate(self.draft_s, batch, bucket)
         if own is not None:
             return own
         others = sorted(self.draft_s, key=lambda size: (abs(math.log2(size / batch)), size))
-        return next((cost for size in others if (cost := self._estimate(self.draft_s, size, bucket)) is not None),
-                    0.0)
+        return next((cost * max(1.0, batch / size) for size in others
+                     if (cost := self._estimate(self.draft_s, size, bucket)) is not None), 0.0)
 
     def _try_due(self, plain_rounds: int, plain_seconds: float) -> bool:
         """Whether plain rounds have gone on long enough for a speculative try: explore_interval of them, and
