@@ -1,6 +1,7 @@
 """One closed-loop run of one mode against a running stack, appended to a JSONL file: tok/s, the verifier's round
 phases, its mean batch, the budgets adaptive speculation chose, each request's time, and the verifier's running /
-waiting gauges every 100 ms (how full its batches ran over time).
+waiting gauges every 100 ms (how full its batches ran over time); since 410769a also each request's (prompt index,
+tokens, rounds, round tokens) and the verifier's realized-over-expected drafted tokens per batch bucket.
 
     python docs/logs/2026-11-30-h200-closed-loop-drive.py GATEWAY METRICS PROMPTS plain|spec CONCURRENCY REQUESTS \
         MAX_NEW_TOKENS TEMPERATURE OUT.jsonl
@@ -24,7 +25,8 @@ from treeserve.telemetry import round_phase_means, round_totals, rounds_by_budge
 
 address, metrics, prompts_path, mode, concurrency, count, tokens, temperature, out = sys.argv[1:10]
 concurrency, count, tokens, temperature = int(concurrency), int(count), int(tokens), float(temperature)
-requests = build_requests(read_prompts(Path(prompts_path)), count,
+prompts = read_prompts(Path(prompts_path))
+requests = build_requests(prompts, count,
                           GenerationParams(max_new_tokens=tokens, temperature=temperature), mode == "spec", 16)
 gauges, stop = [], threading.Event()
 
@@ -55,7 +57,11 @@ row = dict(mode=mode, concurrency=concurrency, requests=count, wall_s=round(wall
            tokens_per_request_round=round(output_tokens / max(1, sum(r.rounds for r in results)), 3),
            round_ms=round_phase_means(before, after), budgets=rounds_by_budget(before, after),
            saturated_s=round(saturated, 3), started=round(started, 3),
-           finished=[round(r.elapsed_s, 3) for r in results], gauges=gauges)
+           finished=[round(r.elapsed_s, 3) for r in results], gauges=gauges,
+           per_request=[(i % len(prompts), r.tokens, r.rounds, r.round_tokens) for i, r in enumerate(results)])
+text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
+row["realized_over_expected"] = re.findall(r'^treeserve_verifier_realized_over_expected{batch="(\d+)"} (\S+)',
+                                           text, re.M)
 print(json.dumps({key: value for key, value in row.items() if key not in ("finished", "gauges")}))
 with open(out, "a") as file:
     file.write(json.dumps(row) + "\n")
