@@ -97,6 +97,31 @@ def test_a_dear_try_waits_until_it_is_a_small_share_of_the_time():
     assert fresh.round_seconds(64, 1) == pytest.approx(0.012 + 64 * 0.012)
 
 
+def test_new_requests_decode_plainly_where_drafting_has_stopped_paying():
+    """After GIVE_UP_AFTER_S of rounds at a batch bucket in which drafting would not pay even were every request
+    drafting, new requests joining batches of that bucket decode plainly, but for one in CANARY_EVERY; once the
+    drafting ones show that it would pay for all, new requests draft again."""
+    adaptive = AdaptiveSpeculation()
+    ids = [f"r{i}" for i in range(64)]
+    costs(adaptive, 64, {1: 11.0, 2: 12.0, 3: 13.0, 5: 14.0, 9: 16.0, 17: 20.0}, draft_ms=250.0)
+    accept(adaptive, ids, 16, 1)  # trees accept nothing: a DFlash drafter that does not pay at 64 requests
+    assert adaptive.speculates_new_request(64)
+    rounds = 0
+    while adaptive.unpaid_s.get(64, 0.0) < AdaptiveSpeculation.GIVE_UP_AFTER_S:
+        assert adaptive.choose({i: 16 for i in ids}, batch=64) == 0
+        rounds += 1
+    assert abs(rounds * 0.011 - AdaptiveSpeculation.GIVE_UP_AFTER_S) < 0.011 * (AdaptiveSpeculation.REUSE_PLAIN + 1)
+    every = AdaptiveSpeculation.CANARY_EVERY
+    assert [adaptive.speculates_new_request(60) for _ in range(2 * every)] == ([False] * (every - 1) + [True]) * 2
+    assert adaptive.speculates_new_request(3)  # another batch bucket: nothing said against drafting there
+    # Four requests still draft (canaries), and their trees now accept well: were everyone drafting, it would pay.
+    costs(adaptive, 64, {1: 11.0, 2: 11.2, 3: 11.4, 5: 11.6, 9: 12.0, 17: 13.0}, draft_ms=1.0,
+          samples=RecentCost.WINDOW)
+    accept(adaptive, ids[:4], 16, 9, rounds=20)
+    adaptive.choose({i: 16 for i in ids[:4]}, batch=64)
+    assert adaptive.unpaid_s[64] == 0.0 and adaptive.speculates_new_request(64)
+
+
 def test_a_stretch_of_misses_does_not_stop_trees_that_pay_on_average():
     # An n-gram drafter on code, one request, the H200 stack's costs: a plain round 1.9 ms, 17 nodes 2.3 ms,
     # the drafter's round trip 0.9 ms. Break-even is 1.68 tokens a round at budget 16.
@@ -265,6 +290,9 @@ def test_rounds_that_realize_less_than_expected_scale_the_model_down():
     adaptive = AdaptiveSpeculation()
     costs(adaptive, 8, tree_costs)
     accept(adaptive, ["a"], 16, 5)
+    assert adaptive.choose({"a": 16}, batch=8) > 0
+    assert adaptive.observe_round(8, 8, drafted=False) is None  # no tree reached the round: nothing learnt
+    assert not adaptive.calibration
     for _ in range(Calibration.SETTLED):
         assert adaptive.calibration_factor(8) == 1.0  # not settled yet: the model as it is
         chosen = adaptive.choose({"a": 16}, batch=8)  # one request speculates, seven decode plainly

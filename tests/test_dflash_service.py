@@ -152,6 +152,9 @@ class EveryFifthRound:
         self.last_choice = 8 if self.rounds % 5 == 0 else 0
         return self.last_choice
 
+    def speculates_new_request(self, batch):
+        return True
+
     def __getattr__(self, name):  # the observations: not needed here
         return lambda *args, **kwargs: None
 

@@ -188,3 +188,38 @@ def test_bad_requests_are_invalid_argument(tmp_path, target, message, text):
 
     error = asyncio.run(main())
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and text in error.details()
+
+
+def test_where_drafting_has_stopped_paying_new_requests_decode_plainly(tmp_path, target):
+    """With adaptive speculation finding that drafting does not pay at any batch size, requests that ask for
+    trees are admitted decoding plainly (no drafts, none of a drafting request's bookkeeping), but for one in
+    CANARY_EVERY, and stream the target's own tokens either way."""
+    from treeserve.verifier.adaptive import AdaptiveSpeculation
+
+    prompts = repetitive_prompts(AdaptiveSpeculation.CANARY_EVERY, seed=3)
+
+    async def main():
+        drafter = await start_drafter(tmp_path)
+        links = [DrafterLink(drafter.address, 1.0)]
+        servicer = VerifierServicer("tiny", links, default_budget=8, default_max_new_tokens=16, max_batch=8)
+        service = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
+        adaptive = AdaptiveSpeculation()
+        adaptive.unpaid_s = {bucket: AdaptiveSpeculation.GIVE_UP_AFTER_S for bucket in (1, 2, 4, 8)}
+        scheduler = servicer.attach(target, build_verifier(target.model, 8, False, 0, block_size=4), adaptive)
+        task = asyncio.ensure_future(scheduler.run())
+        await scheduler.connect(links[0])
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            results = [await collect(stub, request(prompt)) for prompt in prompts]  # one at a time
+        task.cancel()
+        await service.server.stop(0)
+        await drafter.server.stop(0)
+        return results, scheduler
+
+    results, scheduler = asyncio.run(main())
+    for prompt, (tokens, _) in zip(prompts, results):
+        assert tokens == expected(target, prompt)
+    drafting = [final.stats.drafted_tokens > 0 for _, final in results]
+    assert drafting == [False] * (len(prompts) - 1) + [True]  # the last one: the canary
+    registry = scheduler.metrics.registry
+    assert registry.get_sample_value("treeserve_verifier_plain_admissions_total") == len(prompts) - 1

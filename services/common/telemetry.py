@@ -148,6 +148,9 @@ class VerifierMetrics:
         self.rounds_by_budget = Counter("treeserve_verifier_rounds_by_budget",
                                         "Rounds by the tree budget adaptive speculation chose (0: plain)", ["budget"],
                                         registry=r)
+        self.plain_admissions = Counter(
+            "treeserve_verifier_plain_admissions", "Requests that asked for trees and decode plainly: adaptive "
+            "speculation found drafting does not pay at the batch they joined", registry=r)
         self.realized_over_expected = Gauge(
             "treeserve_verifier_realized_over_expected", "Adaptive speculation: drafted tokens that recent "
             "speculative rounds at this batch bucket emitted over what its model expected (it scales the model)",

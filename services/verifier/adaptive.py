@@ -26,7 +26,10 @@ sampled n-gram drafts made a new request expect 4.3 tokens a round from the all-
 rounds copy from its prompt and accept well) where it had about 1.5, and rounds speculated and lost.
 
 Plain decoding stays a candidate in every round, so where verification turns compute-bound (large batches),
-speculation switches itself off rather than costing throughput.
+speculation switches itself off rather than costing throughput. A request that could draft still costs more
+than a plain one in a plain round (a DFlash request keeps its target features for the drafter), so where drafting
+would not have paid for a while even were every request drafting, new requests decode plainly, but for a few
+that keep drafting so that it is tried again (`speculates_new_request`).
 """
 
 from __future__ import annotations
@@ -137,6 +140,12 @@ class AdaptiveSpeculation:
     # try at 64 requests on the H200 cost 230-300 ms more than a plain round (the drafter catches up every
     # request's features), and the 1-3 tries a 5-second run made by round count alone cost it 5-15 %.
     EXPLORE_SHARE = 0.02
+    # Once the rounds at a batch bucket have been plain for this long since drafting last paid there (the choice
+    # would not speculate even were every request drafting), new requests there decode plainly but for one in
+    # CANARY_EVERY, which keeps drafting so that speculation is tried again. A request that drafts costs even in
+    # plain rounds: on the H200 at 64 requests, a DFlash request's kept features made plain rounds 1-1.5 ms
+    # dearer, and that drafter never paid (docs/benchmarks.md).
+    GIVE_UP_AFTER_S, CANARY_EVERY = 2.0, 16
     # A plain decision stands for up to this many more rounds of the same batch: plain rounds observe no
     # acceptance, so the choice's inputs hardly move, and working it out (tens of microseconds to a tenth of a
     # millisecond on the CPU machine) was a visible part of a SmolLM2 round at one request.
@@ -170,6 +179,8 @@ class AdaptiveSpeculation:
         self.plain_signature: tuple | None = None  # (batch, speculating requests, largest budget) of a plain choice
         self.plain_round_s = 0.0  # the estimated plain round of that choice
         self.reused = 0
+        self.unpaid_s: dict[int, float] = {}  # batch bucket -> plain rounds' time since drafting last paid there
+        self.plain_admissions = 0  # new requests told to decode plainly: every CANARY_EVERY-th drafts anyway
 
     # ------------------------------------------------------------------------------------------- observations
 
@@ -198,14 +209,15 @@ class AdaptiveSpeculation:
         self.slopes.setdefault(request_id, AcceptanceSlope(self.decay)).add(accepted, log_budget)
         self.overall_slope.add(accepted, log_budget)
 
-    def observe_round(self, requests: int, tokens: int) -> tuple[int, float] | None:
+    def observe_round(self, requests: int, tokens: int, drafted: bool = True) -> tuple[int, float] | None:
         """The round chosen last emitted `tokens` for its `requests` (prefilled and new): a speculative round's
-        realized drafted tokens are checked against the model's expected ones. Returns its batch bucket and the
-        bucket's realized over expected factor now; None for a plain round."""
-        if self.pending is None:
+        realized drafted tokens are checked against the model's expected ones, unless no tree reached the
+        round (`drafted` False: a drafter that was down says nothing of what trees earn). Returns the batch
+        bucket and its realized over expected factor now; None when nothing was checked."""
+        pending, self.pending = self.pending, None
+        if pending is None or not drafted:
             return None
-        batch, expected = self.pending
-        self.pending = None
+        batch, expected = pending
         record = self.calibration.setdefault(batch, Calibration())
         record.add(max(0, tokens - requests), expected)
         return batch, record.factor
@@ -289,10 +301,30 @@ class AdaptiveSpeculation:
         return next((cost * max(1.0, batch / size) for size in others
                      if (cost := self._estimate(self.draft_s, size, bucket)) is not None), 0.0)
 
+    def _note_unpaid(self, batch: int, seconds: float) -> None:
+        """Add `seconds` of rounds in which drafting would not have paid at this batch's bucket (0: it pays,
+        and the count starts over)."""
+        bucket = batch_bucket(batch)
+        before = self.unpaid_s.get(bucket, 0.0)
+        self.unpaid_s[bucket] = before + seconds if seconds else 0.0
+        if before < self.GIVE_UP_AFTER_S <= self.unpaid_s[bucket]:
+            log.info("adaptive: drafting has not paid at batches of up to %d requests for %.1f s of rounds; new "
+                     "requests there decode plainly, but for one in %d", bucket, self.unpaid_s[bucket],
+                     self.CANARY_EVERY)
+
     def _try_due(self, plain_rounds: int, plain_seconds: float) -> bool:
         """Whether plain rounds have gone on long enough for a speculative try: explore_interval of them, and
         enough of their time that the try costs at most EXPLORE_SHARE of it."""
         return plain_rounds >= self.explore_interval and plain_seconds * self.EXPLORE_SHARE >= self.try_extra_s
+
+    def speculates_new_request(self, batch: int) -> bool:
+        """Whether a new request that asks for trees, joining a batch of `batch`, should draft: not where rounds
+        have been plain for GIVE_UP_AFTER_S since drafting last paid at that batch bucket, but for one request
+        in CANARY_EVERY."""
+        if self.unpaid_s.get(batch_bucket(batch), 0.0) < self.GIVE_UP_AFTER_S:
+            return True
+        self.plain_admissions += 1
+        return self.plain_admissions % self.CANARY_EVERY == 0
 
     def _plain_settled(self, batch: int) -> bool:
         plain = self.verify_s.get(batch_bucket(batch), {}).get(tree_bucket(1))
@@ -314,7 +346,7 @@ class AdaptiveSpeculation:
             self.plain_rounds += 1
             self.plain_seconds += self.plain_round_s
             return 0
-        self.plain_signature, self.reused = None, 0
+        reused, self.plain_signature, self.reused = self.reused, None, 0
         candidates = [step for step in (0,) + BUDGET_STEPS if self.min_budget <= step <= most]
         if not candidates:
             candidates = [min(self.min_budget, most)]
@@ -335,6 +367,11 @@ class AdaptiveSpeculation:
             tokens = batch + factor * drafted[step]
             rates[step] = tokens / max(seconds[step], 1e-9)
         best = max(rates, key=lambda step: (rates[step], -step))  # ties: the smaller tree
+        if 0 in rates:  # would drafting pay were every request drafting, as the drafting ones do?
+            everyone = batch / len(budgets)
+            pays = any((batch + factor * drafted[step] * everyone) / seconds[step] > rates[0]
+                       for step in rates if step > 0)
+            self._note_unpaid(batch, 0.0 if pays else seconds[0] * (1 + reused))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("adaptive: batch %d, mean slope %.2f, realized over expected drafts %.2f, expected tokens/s "
                       "by budget %s", batch, statistics.fmean(slope for slope, _ in slopes), factor,

@@ -80,6 +80,17 @@ class Scheduler:
             return False
         return True
 
+    def speculates_new_request(self) -> bool:
+        """Whether a new request that asks for trees should draft (with adaptive speculation, not where drafting
+        has stopped paying at the batch it joins: AdaptiveSpeculation.speculates_new_request)."""
+        if self.adaptive is None:
+            return True
+        joining = min(self.max_batch, len(self.running) + len(self.waiting) + 1)
+        if self.adaptive.speculates_new_request(joining):
+            return True
+        self.metrics.plain_admissions.inc()
+        return False
+
     def can_draft(self, entry: Running, link: DrafterLink) -> bool:
         """A drafter that conditions on features can take only requests that kept them from their prefill."""
         return not link.feature_layer_ids or entry.generation.keep_features
@@ -300,7 +311,10 @@ class Scheduler:
                 self.metrics.requests.labels(outcome=generation.finish_reason).inc()
                 self.cancel(request_id)
         round_tokens = sum(map(len, committed_lists))
-        checked = self.adaptive.observe_round(len(alive), round_tokens) if self.adaptive is not None else None
+        checked = None
+        if self.adaptive is not None:
+            checked = self.adaptive.observe_round(len(alive), round_tokens,
+                                                  drafted=any(nodes for nodes, _ in verified))
         if checked is not None:
             batch, factor = checked
             self.metrics.realized_over_expected.labels(batch=str(batch)).set(factor)
@@ -361,6 +375,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             if requested > MAX_BUDGET:
                 raise TreeserveError(f"budget must be between 1 and {MAX_BUDGET}, got {requested}")
             budget = 0 if request.speculation.disabled or not self.links else requested
+            if budget and not self.scheduler.speculates_new_request():
+                budget = 0  # drafting does not pay at this load: plain decoding, without its bookkeeping
             target = self.target
             # A speculating request keeps its target features in case its drafter conditions on them.
             features = self.scheduler.feature_layer_ids if budget > 0 else ()
