@@ -205,6 +205,7 @@ class RoundTotals:
 
     phases: dict[str, tuple[float, float]]  # phase -> (seconds, rounds) so far, `treeserve_round_seconds`
     budgets: dict[int, float]  # adaptive speculation: rounds so far by chosen budget (empty without it)
+    plain_admissions: float = 0.0  # adaptive speculation: requests that asked for trees and decode plainly
 
 
 def round_totals(metrics_address: str) -> RoundTotals:
@@ -216,8 +217,10 @@ def round_totals(metrics_address: str) -> RoundTotals:
     sums = dict(re.findall(r'treeserve_round_seconds_sum{phase="(\w+)"} (\S+)', text))
     counts = dict(re.findall(r'treeserve_round_seconds_count{phase="(\w+)"} (\S+)', text))
     budgets = re.findall(r'treeserve_verifier_rounds_by_budget_total{budget="(\d+)"} (\S+)', text)
+    plain_admissions = re.search(r"^treeserve_verifier_plain_admissions_total (\S+)", text, re.M)
     return RoundTotals({phase: (float(sums[phase]), float(counts[phase])) for phase in sums},
-                       {int(budget): float(count) for budget, count in budgets})
+                       {int(budget): float(count) for budget, count in budgets},
+                       float(plain_admissions.group(1)) if plain_admissions else 0.0)
 
 
 def round_phase_means(before: RoundTotals, after: RoundTotals) -> dict[str, float]:

@@ -275,6 +275,9 @@ def run_bench(args) -> dict:
                 chosen = rounds_by_budget(before, after)
                 if chosen:  # an adaptive verifier: the rounds by the budget it chose
                     row["adaptive_rounds_by_budget"] = {str(budget): count for budget, count in chosen.items()}
+                plain_admissions = int(after.plain_admissions - before.plain_admissions)
+                if plain_admissions:  # requests it had decode plainly: drafting did not pay at their batch
+                    row["adaptive_plain_admissions"] = plain_admissions
             report["runs"].append(row)
     for row in report["runs"]:  # each speculative run against the plain run at its load
         if row["mode"] == "speculative":
