@@ -195,6 +195,23 @@ def test_metrics_are_served_over_http(tmp_path):
         telemetry.serve_metrics("nonsense", metrics.registry)
 
 
+def test_round_totals_read_a_verifiers_rounds_from_its_metrics():
+    """What `treeserve bench --verifier-metrics` reads: round phases, rounds by adaptive budget, plain admissions."""
+    metrics = telemetry.VerifierMetrics()
+    for seconds in (0.010, 0.030):
+        metrics.round_seconds.labels(phase="round").observe(seconds)
+    metrics.rounds_by_budget.labels(budget="0").inc(2)
+    metrics.rounds_by_budget.labels(budget="16").inc()
+    metrics.plain_admissions.inc(5)
+    server = telemetry.serve_metrics("127.0.0.1:0", metrics.registry)
+    try:
+        totals = telemetry.round_totals(f"127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+    assert totals.phases["round"] == (pytest.approx(0.040), 2.0)
+    assert totals.budgets == {0: 2.0, 16: 1.0} and totals.plain_admissions == 5.0
+
+
 @pytest.mark.parametrize("variables, enabled", [
     ({}, False),
     ({"OTEL_TRACES_EXPORTER": "none"}, False),
