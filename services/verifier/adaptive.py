@@ -301,12 +301,12 @@ class AdaptiveSpeculation:
         return next((cost * max(1.0, batch / size) for size in others
                      if (cost := self._estimate(self.draft_s, size, bucket)) is not None), 0.0)
 
-    def _note_unpaid(self, batch: int, seconds: float) -> None:
-        """Add `seconds` of rounds in which drafting would not have paid at this batch's bucket (0: it pays,
+    def _note_unpaid(self, batch: int, seconds: float | None) -> None:
+        """Add `seconds` of rounds in which drafting would not have paid at this batch's bucket (None: it would,
         and the count starts over)."""
         bucket = batch_bucket(batch)
         before = self.unpaid_s.get(bucket, 0.0)
-        self.unpaid_s[bucket] = before + seconds if seconds else 0.0
+        self.unpaid_s[bucket] = 0.0 if seconds is None else before + seconds
         if before < self.GIVE_UP_AFTER_S <= self.unpaid_s[bucket]:
             log.info("adaptive: drafting has not paid at batches of up to %d requests for %.1f s of rounds; new "
                      "requests there decode plainly, but for one in %d", bucket, self.unpaid_s[bucket],
@@ -371,7 +371,7 @@ class AdaptiveSpeculation:
             everyone = batch / len(budgets)
             pays = any((batch + factor * drafted[step] * everyone) / seconds[step] > rates[0]
                        for step in rates if step > 0)
-            self._note_unpaid(batch, 0.0 if pays else seconds[0] * (1 + reused))
+            self._note_unpaid(batch, None if pays else seconds[0] * (1 + reused))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("adaptive: batch %d, mean slope %.2f, realized over expected drafts %.2f, expected tokens/s "
                       "by budget %s", batch, statistics.fmean(slope for slope, _ in slopes), factor,

@@ -311,13 +311,11 @@ class Scheduler:
                 self.metrics.requests.labels(outcome=generation.finish_reason).inc()
                 self.cancel(request_id)
         round_tokens = sum(map(len, committed_lists))
-        checked = None
         if self.adaptive is not None:
-            checked = self.adaptive.observe_round(len(alive), round_tokens,
-                                                  drafted=any(nodes for nodes, _ in verified))
-        if checked is not None:
-            batch, factor = checked
-            self.metrics.realized_over_expected.labels(batch=str(batch)).set(factor)
+            checked = self.adaptive.observe_round(len(alive), round_tokens, drafted=any(nodes for nodes, _ in verified))
+            if checked is not None:
+                batch, factor = checked
+                self.metrics.realized_over_expected.labels(batch=str(batch)).set(factor)
         self.metrics.generated_tokens.inc(round_tokens)
         self.metrics.record_trees(verified)
         self.metrics.round_seconds.labels(phase="verify").observe(time.perf_counter() - started)
