@@ -63,6 +63,20 @@ def test_sequences_share_the_pool_and_a_full_pool_is_a_clear_error():
     assert first.reserve(5).tolist() == first.slots(20, 5).tolist()
 
 
+def test_reserving_one_row_is_reserve_of_one():
+    """reserve_one, the plain step's shortcut, takes the slot reserve(1) would, and a new block at a block's end."""
+    paged = PagedKVCache(CFG, num_blocks=6, block_size=4, dtype=torch.float32, device="cpu")
+    one, other = paged.sequence(), paged.sequence()
+    for _ in range(9):
+        slot = one.reserve_one()
+        assert slot == one.slots(one.length, 1).item()
+        other.reserve(1)
+        assert len(one.blocks) == len(other.blocks) == paged.blocks_for(one.length + 1)
+        one.keep([0])
+        other.keep([0])
+    assert one.length == 9 and len(one.blocks) == 3
+
+
 def test_blocks_that_fit_counts_every_layer_and_both_tensors():
     per_block = 2 * CFG.num_layers * 16 * CFG.num_kv_heads * CFG.head_dim * 2  # bfloat16
     assert PagedKVCache.blocks_that_fit(CFG, 16, torch.bfloat16, per_block * 10, fraction=1.0) == 10

@@ -52,11 +52,12 @@ class ForwardPlan:
     """One request's share of a target forward: tokens at positions, attending to the committed prefix in
     `cache` (contiguous, or the request's sequence in a paged pool) plus, among themselves, what `mask` (N, N)
     allows, or causal when it is None (a prompt); logits wanted at `logits_rows`. `tree` is None for a prefill.
-    Positions and mask stay on the host: the forward moves a whole batch's at once."""
+    Positions (int64, NumPy: cheaper than a tensor to make and to stage, per request and round) and mask stay on
+    the host: the forward moves a whole batch's at once."""
 
     cache: KVCache | PagedSequence
     tokens: list[int]
-    positions: torch.Tensor
+    positions: np.ndarray
     mask: torch.Tensor | None
     logits_rows: list[int]
     tree: DraftTree | None
@@ -111,7 +112,7 @@ def _forward_packed(model: DecoderLM, plans: list[ForwardPlan], feature_layer_id
     """The plans' rows packed one after another: prompts over the paged pool through `verifier` (with
     `attention` from PagedAttention.for_prompts), or contiguous caches when `attention` is None."""
     tokens = torch.tensor([t for plan in plans for t in plan.tokens])
-    positions = torch.cat([plan.positions for plan in plans])
+    positions = torch.from_numpy(np.concatenate([plan.positions for plan in plans]))
     rows, offset = [], 0
     for plan in plans:
         rows.extend(offset + r for r in plan.logits_rows)
@@ -347,11 +348,11 @@ class Generation:
         (the root alone when `tree` is None: a plain decoding step). A tree from a drafter is checked here."""
         if not self.prefilled:
             n = len(self.prompt_ids)
-            return ForwardPlan(self.cache, self.prompt_ids, torch.arange(n), None, [n - 1], None)
+            return ForwardPlan(self.cache, self.prompt_ids, np.arange(n), None, [n - 1], None)
         root = self.output_ids[-1]
         if tree is None:  # our own root, nothing to check: built directly (at 64 requests a round, the general
             # path below cost a millisecond of host time for trees of one node)
-            return ForwardPlan(self.cache, [root], torch.tensor([self.cache.length]), ROOT_ONLY_MASK, [0],
+            return ForwardPlan(self.cache, [root], np.array([self.cache.length]), ROOT_ONLY_MASK, [0],
                                DraftTree([root], [-1]))
         tree.validate(self.model.config.vocab_size)
         if tree.tokens[0] != root or tree.size > self.budget + 1:
@@ -359,7 +360,7 @@ class Generation:
                                  f"(root {tree.tokens[0]} vs {root}, {tree.size - 1} nodes for budget {self.budget})")
         # A round emits at most depth + 1 tokens; deeper nodes could never be used.
         tree = tree.truncated(self.params.max_new_tokens - len(self.output_ids) - 1)
-        positions = torch.from_numpy(np.asarray(tree.depths(), dtype=np.int64) + self.cache.length)
+        positions = np.asarray(tree.depths(), dtype=np.int64) + self.cache.length
         return ForwardPlan(self.cache, tree.tokens, positions, tree.ancestor_mask("cpu"), list(range(tree.size)),
                            tree)
 

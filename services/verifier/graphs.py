@@ -9,6 +9,7 @@ import itertools
 import logging
 import time
 
+import numpy as np
 import torch
 
 from treeserve.errors import TreeserveError
@@ -87,7 +88,7 @@ class TreeVerifier:
             self.mirror.send("time_graphs")
         return self.runner.time_graphs()
 
-    def verify(self, sequences: list[PagedSequence], tokens: list[list[int]], positions: list[torch.Tensor],
+    def verify(self, sequences: list[PagedSequence], tokens: list[list[int]], positions: list[np.ndarray],
                masks: list[torch.Tensor], feature_layer_ids: tuple[int, ...] = ()
                ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """One forward of every request's tree; returns each request's logits (its nodes' rows) and features."""
@@ -123,7 +124,7 @@ class TreeVerifier:
                 for j in active:
                     earlier_pieces.enter_context(sequences[j].ahead(start))
                 found = self.verify([sequences[j] for j in active], pieces,
-                                    [torch.arange(len(piece)) + start for piece in pieces],
+                                    [np.arange(len(piece)) + start for piece in pieces],
                                     [causal_mask(len(piece)) for piece in pieces], feature_layer_ids)
             # Copied out: the next replay of the same graph overwrites its outputs.
             for j, piece, piece_logits, piece_features in zip(active, pieces, *found):

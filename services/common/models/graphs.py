@@ -89,7 +89,7 @@ def padded_rows(batch: int, rows: int, table_width: int, pin: bool = False) -> T
     return TreeRows(empty(batch * rows), empty(batch * rows), paged).pad_()
 
 
-def stage_trees(sequences: list[PagedSequence], tokens: list[list[int]], positions: list[torch.Tensor],
+def stage_trees(sequences: list[PagedSequence], tokens: list[list[int]], positions: list[np.ndarray],
                 masks: list[torch.Tensor], batch: int, rows: int, table_width: int,
                 into: TreeRows | None = None) -> TreeRows:
     """Host tensors of one forward: each request's new rows (reserved here in its sequence) with their tokens,
@@ -107,14 +107,18 @@ def stage_trees(sequences: list[PagedSequence], tokens: list[list[int]], positio
     for b, (sequence, tree_tokens, tree_positions, mask) in enumerate(zip(sequences, tokens, positions, masks)):
         n = len(tree_tokens)
         prefix_np[b], counts_np[b] = sequence.length, n
-        slots_np[b, :n] = sequence.reserve(n).numpy()
+        if n == 1:  # a plain step, most rows of a large batch: no array to make (a row always sees itself)
+            slots_np[b, 0] = sequence.reserve_one()
+            mask_np[b, 0, 0] = 1
+        else:
+            slots_np[b, :n] = sequence.reserve(n).numpy()
+            mask_np[b, :n, :n] = np.asarray(mask)
         if len(sequence.blocks) > table_width:
             raise TreeserveError(f"a sequence of {len(sequence.blocks)} blocks exceeds the block table's "
                                  f"{table_width}")
         tables_np[b, :len(sequence.blocks)] = sequence.blocks
         tokens_np[b, :n] = tree_tokens
-        positions_np[b, :n] = np.asarray(tree_positions)
-        mask_np[b, :n, :n] = np.asarray(mask)
+        positions_np[b, :n] = tree_positions
     return staged
 
 

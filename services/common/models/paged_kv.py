@@ -100,6 +100,13 @@ class PagedSequence:
             self.blocks += self.cache.allocator.allocate(needed)
         return self.slots(self.length, count)
 
+    def reserve_one(self) -> int:
+        """reserve(1), its slot as an integer: a plain step's row, for every request of every plain round."""
+        size = self.cache.block_size
+        if self.length >= len(self.blocks) * size:
+            self.blocks += self.cache.allocator.allocate(1)
+        return self.blocks[self.length // size] * size + self.length % size
+
     @contextlib.contextmanager
     def ahead(self, rows: int):
         """For the duration, the first `rows` pending rows count as committed: what is reserved next comes after
