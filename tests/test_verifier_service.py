@@ -210,13 +210,16 @@ def test_where_drafting_has_stopped_paying_new_requests_decode_plainly(tmp_path,
         await scheduler.connect(links[0])
         async with grpc.aio.insecure_channel(service.address) as channel:
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:  # checked before it counts as an admission
+                await collect(stub, request([]))
             results = [await collect(stub, request(prompt)) for prompt in prompts]  # one at a time
         task.cancel()
         await service.server.stop(0)
         await drafter.server.stop(0)
-        return results, scheduler
+        return results, scheduler, refused.value
 
-    results, scheduler = asyncio.run(main())
+    results, scheduler, refused = asyncio.run(main())
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
     for prompt, (tokens, _) in zip(prompts, results):
         assert tokens == expected(target, prompt)
     drafting = [final.stats.drafted_tokens > 0 for _, final in results]

@@ -373,13 +373,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             if requested > MAX_BUDGET:
                 raise TreeserveError(f"budget must be between 1 and {MAX_BUDGET}, got {requested}")
             budget = 0 if request.speculation.disabled or not self.links else requested
+
+            def generation_with(budget: int) -> Generation:  # (checks the request)
+                # A speculating request keeps its target features in case its drafter conditions on them.
+                features = self.scheduler.feature_layer_ids if budget > 0 else ()
+                return Generation(self.target.model, self.target.tokenizer, list(request.prompt_token_ids),
+                                  params, None, budget, features, verifier=self.scheduler.verifier)
+
+            generation = generation_with(budget)
             if budget and not self.scheduler.speculates_new_request():
                 budget = 0  # drafting does not pay at this load: plain decoding, without its bookkeeping
-            target = self.target
-            # A speculating request keeps its target features in case its drafter conditions on them.
-            features = self.scheduler.feature_layer_ids if budget > 0 else ()
-            generation = Generation(target.model, target.tokenizer, list(request.prompt_token_ids), params,
-                                    None, budget, features, verifier=self.scheduler.verifier)
+                generation = generation_with(budget)
         except TreeserveError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         request_id = f"{request.request_id or 'request'}-{uuid.uuid4().hex[:8]}"
