@@ -67,43 +67,38 @@ class RecentCost:
         return len(self.samples) >= self.SETTLED
 
 
-class AcceptanceSlope:
-    """Accepted tokens per log2(1 + budget), as decaying sums: each observation weighs `1 - decay` times the one
-    after it, so the slope follows a request that changes character over a few dozen rounds."""
+class DecayingRatio:
+    """A ratio of decaying sums: each observation weighs `1 - decay` times the one after it, so the ratio follows
+    what changes over a few dozen observations, and a burst moves it no more than its share of the sums."""
 
     def __init__(self, decay: float):
-        self.decay, self.accepted, self.log_budget = decay, 0.0, 0.0
+        self.decay, self.numerator, self.denominator, self.count = decay, 0.0, 0.0, 0
 
-    def add(self, accepted: float, log_budget: float) -> None:
-        self.accepted = self.accepted * (1 - self.decay) + accepted
-        self.log_budget = self.log_budget * (1 - self.decay) + log_budget
+    def add(self, numerator: float, denominator: float) -> None:
+        self.numerator = self.numerator * (1 - self.decay) + numerator
+        self.denominator = self.denominator * (1 - self.decay) + denominator
+        self.count += 1
 
     def value(self, prior: float, prior_weight: float) -> float:
-        """The slope, with `prior` counted as `prior_weight` of log-budget already observed."""
-        return (self.accepted + prior * prior_weight) / (self.log_budget + prior_weight)
+        """The ratio, with `prior` counted as `prior_weight` of denominator already observed."""
+        return (self.numerator + prior * prior_weight) / (self.denominator + prior_weight)
 
 
-class Calibration:
+class Calibration(DecayingRatio):
     """What speculative rounds of one batch bucket emitted beyond one token per request, over what the model
-    expected of them, as decaying sums (each round weighs `1 - DECAY` times the one after it)."""
+    expected of them."""
 
     DECAY, SETTLED = 0.02, 3
 
     def __init__(self):
-        self.realized = self.expected = 0.0
-        self.rounds = 0
-
-    def add(self, realized: float, expected: float) -> None:
-        self.realized = self.realized * (1 - self.DECAY) + realized
-        self.expected = self.expected * (1 - self.DECAY) + expected
-        self.rounds += 1
+        super().__init__(self.DECAY)
 
     @property
     def factor(self) -> float:
         """Realized over expected drafted tokens; 1 until SETTLED rounds are seen."""
-        if self.rounds < self.SETTLED or self.expected <= 0:
+        if self.count < self.SETTLED or self.denominator <= 0:
             return 1.0
-        return self.realized / self.expected
+        return self.numerator / self.denominator
 
 
 def tokens_per_round(slope: float, budget: int) -> float:
@@ -161,11 +156,11 @@ class AdaptiveSpeculation:
         self.verify_s: dict[int, dict[int, RecentCost]] = {}
         self.draft_s: dict[int, dict[int, RecentCost]] = {}
         self.graph_s: dict[int, dict[int, float]] = {}  # each captured graph's replay alone, timed at start-up
-        self.slopes: dict[str, AcceptanceSlope] = {}
+        self.slopes: dict[str, DecayingRatio] = {}  # accepted tokens per log2(1 + budget)
         self.calibration: dict[int, Calibration] = {}  # batch bucket -> its speculative rounds' record
         # (batch bucket, expected drafted tokens) of a speculative round chosen last, until observe_round
         self.pending: tuple[int, float] | None = None
-        self.overall_slope = AcceptanceSlope(decay)
+        self.overall_slope = DecayingRatio(decay)
         self.prior_slope = prior_slope
         self.last_choice = 0
         # After `explore_interval` plain rounds in a row (and EXPLORE_SHARE), one round speculates anyway:
@@ -206,7 +201,7 @@ class AdaptiveSpeculation:
         if budget < 1:
             return
         accepted, log_budget = max(0, tokens - 1), math.log2(1 + budget)
-        self.slopes.setdefault(request_id, AcceptanceSlope(self.decay)).add(accepted, log_budget)
+        self.slopes.setdefault(request_id, DecayingRatio(self.decay)).add(accepted, log_budget)
         self.overall_slope.add(accepted, log_budget)
 
     def observe_round(self, requests: int, tokens: int, drafted: bool = True) -> tuple[int, float] | None:

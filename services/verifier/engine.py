@@ -198,8 +198,8 @@ class FeatureBacklog:
         by_owner = np.argsort(owners, kind="stable")
         ranges, lengths = starts[by_owner], counts[by_owner]
         index = np.arange(lengths.sum()) + np.repeat(ranges - (np.cumsum(lengths) - lengths), lengths)
-        rows = torch.cat([rows for _, rows, _ in self.rounds])
-        grouped = rows.index_select(0, torch.from_numpy(index).to(rows.device))
+        piled = torch.cat([rows for _, rows, _ in self.rounds])
+        grouped = piled.index_select(0, torch.from_numpy(index).to(piled.device))
         if grouped.is_cuda:
             host = torch.empty(grouped.shape, dtype=grouped.dtype, pin_memory=True)
             host.copy_(grouped, non_blocking=True)

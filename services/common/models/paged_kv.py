@@ -95,17 +95,20 @@ class PagedSequence:
 
     def reserve(self, count: int) -> torch.Tensor:
         """Room for `count` pending rows after the committed ones; returns their slots."""
-        needed = self.cache.blocks_for(self.length + count) - len(self.blocks)
-        if needed > 0:
-            self.blocks += self.cache.allocator.allocate(needed)
+        self._grow(count)
         return self.slots(self.length, count)
 
     def reserve_one(self) -> int:
         """reserve(1), its slot as an integer: a plain step's row, for every request of every plain round."""
+        self._grow(1)
         size = self.cache.block_size
-        if self.length >= len(self.blocks) * size:
-            self.blocks += self.cache.allocator.allocate(1)
         return self.blocks[self.length // size] * size + self.length % size
+
+    def _grow(self, count: int) -> None:
+        """Blocks enough for `count` pending rows after the committed ones."""
+        needed = self.cache.blocks_for(self.length + count) - len(self.blocks)
+        if needed > 0:
+            self.blocks += self.cache.allocator.allocate(needed)
 
     @contextlib.contextmanager
     def ahead(self, rows: int):
