@@ -228,6 +228,7 @@ def test_kept_features_reach_the_host_in_order_when_flushed(device):
     from types import SimpleNamespace
 
     from treeserve.verifier.engine import FeatureBacklog
+    from treeserve.verifier.rows import Rows
 
     a, b = (SimpleNamespace(last_features=None, feature_chunks=[], sent=[]) for _ in range(2))
     backlog = FeatureBacklog()
@@ -237,7 +238,7 @@ def test_kept_features_reach_the_host_in_order_when_flushed(device):
         for generation, count in generations_and_counts:
             values = [float(next(rows)) for _ in range(count)]
             generation.sent.extend(values)
-            generation.last_features = torch.tensor([[value] for value in values], device=device)
+            generation.last_features = Rows(torch.tensor([[value] for value in values], device=device))
         backlog.add([generation for generation, _ in generations_and_counts])
 
     def received(generation):

@@ -130,9 +130,9 @@ def test_prompts_in_pieces_match_one_packed_prefill(device):
     close = lambda got, want: torch.testing.assert_close(  # noqa: E731
         got, want, atol=tolerance * want.abs().max().clamp(min=1).item(), rtol=tolerance)
     for b, n in enumerate(lengths):
-        close(got_logits[b], want_logits[b:b + 1])
-        assert got_features[b].shape == (n, 2 * model.config.hidden_size)
-        close(got_features[b], want_features[b])
+        close(got_logits[b].tensor(), want_logits[b:b + 1])
+        assert got_features[b].tensor().shape == (n, 2 * model.config.hidden_size)
+        close(got_features[b].tensor(), want_features[b])
     assert all(sequence.length == 0 for sequence in sequences[0])  # every row still pending, for keep to commit
     for pool, pool_sequences in zip(pools, sequences):
         for sequence, n in zip(pool_sequences, lengths):
@@ -183,8 +183,9 @@ def test_graph_replay_equals_eager_in_every_bucket(case, dtype):
         requests = requests_in(pool, prefixes, sizes, seed)
         assert graphs.runner.bucket(real_batch, rows) == (batch, rows)
         want, want_features = eager.verify(*requests, feature_layer_ids=(0, 1))
-        want = [w.clone() for w in want]
+        want, want_features = ([rows.tensor().clone() for rows in part] for part in (want, want_features))
         got, got_features = graphs.verify(*requests, feature_layer_ids=(0, 1))
+        got, got_features = ([rows.tensor() for rows in part] for part in (got, got_features))
         for got_rows, want_rows, got_f, want_f in zip(got, want, got_features, want_features):
             # bfloat16 rounds differently in the bucket's padded shapes: tolerances scale with the values.
             scale = want_rows.abs().max().clamp(min=1).item()

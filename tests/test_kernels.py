@@ -273,7 +273,7 @@ def test_model_over_the_paged_cache_equals_the_contiguous_cache(kernels):
         want, positions = contiguous(trees, masks, [m.sum(dim=1) - 1 for m in masks])  # depth = ancestors - 1
         got, _ = verifier.verify(sequences, [t.tolist() for t in trees], positions, masks)
         for got_rows, want_rows in zip(got, want):
-            torch.testing.assert_close(got_rows, want_rows, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got_rows.tensor(), want_rows, atol=1e-4, rtol=1e-4)
         for cache, sequence, mask in zip(caches, sequences, masks):
             path = mask[-1].nonzero().flatten().tolist()  # keep the last node's root-to-node path
             cache.keep(path)

@@ -16,6 +16,7 @@ from treeserve.params import GenerationParams
 from treeserve.sampling import counter_uniforms, pick_tokens, target_probs
 from treeserve.verifier import engine, generate
 from treeserve.verifier.acceptance import walk_tree
+from treeserve.verifier.rows import Rows
 
 VOCAB = 6
 PROMPT = [1, 2, 3]
@@ -170,7 +171,7 @@ def test_a_round_picks_each_request_as_it_would_alone():
     generator = torch.Generator().manual_seed(0)
     requests = [Request(settings[i % 3], seed=1000 + i, counters=list(range(i, i + 1 + i % 4))) for i in range(9)]
     logits = [torch.randn(len(r.counters), 50, generator=generator) * 3 for r in requests]
-    together = engine.pick_round(requests, [None] * len(requests), logits)
+    together = engine.pick_round(requests, [None] * len(requests), [Rows(rows) for rows in logits])
     for request, rows, picked in zip(requests, logits, together):
         alone = pick_tokens(rows, request.params, request.seed, np.asarray(request.counters))
         assert picked.tolist() == alone.tolist()

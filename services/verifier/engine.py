@@ -9,6 +9,7 @@ plain autoregressive decoding through the same code.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 
 import numpy as np
@@ -23,6 +24,7 @@ from treeserve.tokenizer import Tokenizer
 from treeserve.tree import MAX_BUDGET, DraftPoolFull, DraftTree, Drafter
 from treeserve.verifier.acceptance import walk_tree
 from treeserve.verifier.graphs import TreeVerifier, causal_mask
+from treeserve.verifier.rows import Rows, gather
 
 
 @dataclasses.dataclass
@@ -68,19 +70,20 @@ ROOT_ONLY_MASK = torch.ones(1, 1, dtype=torch.bool)  # shared by every plain ste
 
 @torch.inference_mode()
 def forward_batch(model: DecoderLM, plans: list[ForwardPlan], feature_layer_ids: tuple[int, ...] = (),
-                  verifier: TreeVerifier | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+                  verifier: TreeVerifier | None = None) -> tuple[list[Rows], list[Rows | None]]:
     """One target forward for several requests (over a paged pool, trees through `verifier`, the CUDA graphs when
     it has them, and prompts before them: in pieces through the same graphs, or packed and causal in one eager
     forward; `TreeVerifier.prefills_in_pieces` says which). Returns each plan's logits rows and, when
     `feature_layer_ids` is given, its tokens' hidden states after those layers, concatenated per token
-    (N, len(ids) * hidden): the features a DFlash drafter conditions on."""
+    (N, len(ids) * hidden): the features a DFlash drafter conditions on. Both as Rows of the forward's outputs,
+    valid until the next forward."""
     paged = [isinstance(plan.cache, PagedSequence) for plan in plans]
     if not any(paged):
         return _forward_packed(model, plans, feature_layer_ids, None)
     if not all(paged):
         raise TreeserveError("one forward cannot mix paged and contiguous KV caches")
-    logits: list[torch.Tensor | None] = [None] * len(plans)
-    features: list[torch.Tensor | None] = [None] * len(plans)
+    logits: list[Rows | None] = [None] * len(plans)
+    features: list[Rows | None] = [None] * len(plans)
     prompts = [i for i, plan in enumerate(plans) if plan.tree is None]
     trees = [i for i, plan in enumerate(plans) if plan.tree is not None]
     verifier = verifier or TreeVerifier(model, plans[0].cache.cache, max_batch=len(plans))
@@ -108,7 +111,7 @@ def forward_batch(model: DecoderLM, plans: list[ForwardPlan], feature_layer_ids:
 
 def _forward_packed(model: DecoderLM, plans: list[ForwardPlan], feature_layer_ids: tuple[int, ...],
                     attention: PagedAttention | None, verifier: TreeVerifier | None = None
-                    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+                    ) -> tuple[list[Rows], list[Rows | None]]:
     """The plans' rows packed one after another: prompts over the paged pool through `verifier` (with
     `attention` from PagedAttention.for_prompts), or contiguous caches when `attention` is None."""
     tokens = torch.tensor([t for plan in plans for t in plan.tokens])
@@ -125,11 +128,17 @@ def _forward_packed(model: DecoderLM, plans: list[ForwardPlan], feature_layer_id
                                attention, logits_rows=rows.to(device), hidden_layer_ids=feature_layer_ids)
     else:
         logits, hidden = verifier.prefill(attention, tokens, positions, rows, feature_layer_ids)
-    logits_per_plan = list(torch.split(logits, [len(plan.logits_rows) for plan in plans]))
+    logits_per_plan = [Rows(logits, span) for span in _spans([len(plan.logits_rows) for plan in plans])]
     if not feature_layer_ids:
         return logits_per_plan, [None] * len(plans)
     features = torch.cat(hidden, dim=-1)
-    return logits_per_plan, list(torch.split(features, [len(plan.tokens) for plan in plans]))
+    return logits_per_plan, [Rows(features, span) for span in _spans([len(plan.tokens) for plan in plans])]
+
+
+def _spans(counts: list[int]) -> list[range]:
+    """Row ranges of parts of these sizes, one after another."""
+    ends = list(itertools.accumulate(counts))
+    return [range(end - count, end) for end, count in zip(ends, counts)]
 
 
 def _mask(plan: ForwardPlan) -> torch.Tensor:
@@ -162,7 +171,7 @@ class FeatureBacklog:
         its next replay)."""
         if not generations:
             return
-        rows = torch.cat([generation.last_features for generation in generations])
+        rows = gather([generation.last_features for generation in generations], copy=True)
         self.rounds.append((generations, rows, [len(generation.last_features) for generation in generations]))
         self.bytes += rows.numel() * rows.element_size()
         if len(self.rounds) >= self.FLUSH_ROUNDS or self.bytes >= self.FLUSH_BYTES:
@@ -218,8 +227,8 @@ class FeatureBacklog:
         self.bytes = 0
 
 
-def commit_round(generations: list["Generation"], plans: list[ForwardPlan], logits: list[torch.Tensor],
-                 features: list[torch.Tensor | None], backlog: FeatureBacklog | None = None) -> list[list[int]]:
+def commit_round(generations: list["Generation"], plans: list[ForwardPlan], logits: list[Rows],
+                 features: list[Rows | None], backlog: FeatureBacklog | None = None) -> list[list[int]]:
     """Each generation's choices from its logits, moved to the host in one transfer (the round's one wait on
     the device), then committed. The kept features of those that keep them go to `backlog` (by default one
     flushed at once: on the host when this returns). Returns each generation's committed tokens."""
@@ -240,7 +249,7 @@ def commit_round(generations: list["Generation"], plans: list[ForwardPlan], logi
     return committed
 
 
-def pick_round(generations: list["Generation"], plans: list[ForwardPlan], logits: list[torch.Tensor]
+def pick_round(generations: list["Generation"], plans: list[ForwardPlan], logits: list[Rows]
                ) -> list[torch.Tensor]:
     """Each generation's picks at its plan's logits rows (on the logits' device), with one set of sampling kernels
     per sampling setting in the round rather than one per request (at 64 requests, the H200 stack's rounds were
@@ -250,8 +259,8 @@ def pick_round(generations: list["Generation"], plans: list[ForwardPlan], logits
         groups.setdefault(sampling_setting(generation.params), []).append(i)
     picks: list[torch.Tensor | None] = [None] * len(generations)
     for setting, members in groups.items():
-        sizes = [logits[i].shape[0] for i in members]
-        rows = logits[members[0]] if len(members) == 1 else torch.cat([logits[i] for i in members])
+        sizes = [len(logits[i]) for i in members]
+        rows = gather([logits[i] for i in members])
         params = generations[members[0]].params
         seeds = counters = None  # greedy needs no draws
         if setting:  # sampled: each row's draw from its request's seed and counter
@@ -302,7 +311,7 @@ class Generation:
         if bad_layers:
             raise TreeserveError(f"the drafter asks for target layer {bad_layers[0]}, but the target has "
                                  f"{cfg.num_layers} layers")
-        self.last_features: torch.Tensor | None = None
+        self.last_features: Rows | None = None  # of the last forward; valid until the next
         self.keep_features = drafter is None and bool(self.feature_layer_ids)
         self.feature_chunks: list[torch.Tensor] = []  # on the CPU, when keep_features
         self.prompt_ids = list(prompt_ids)
@@ -370,7 +379,7 @@ class Generation:
         depths = [0] if plan.tree is None else plan.tree.depths()
         return [done + d for d in depths]
 
-    def apply(self, plan: ForwardPlan, choices: list[int], features: torch.Tensor | None = None) -> list[int]:
+    def apply(self, plan: ForwardPlan, choices: list[int], features: Rows | None = None) -> list[int]:
         """Commit what the target's `choices` (from `pick_round`) accept. `features`: the plan's per-token hidden
         states, when the generation has feature layers."""
         if plan.tree is None:  # prefill: the whole prompt is committed, its last row gives the first token
@@ -392,18 +401,17 @@ class Generation:
         if self.feature_layer_ids:
             if features is None:
                 raise TreeserveError("this generation needs target features, and the forward gave none")
-            # Kept on the host by commit_round, when keep_features. Every row kept (a prompt, a plain step) is the
-            # tensor itself, and a kept prefix (a chain's accepted run) a view: indexing with a list costs a copy to
-            # the device and a gather, per request and round (at 64 requests, milliseconds of each plain round),
-            # and even a slice of a device tensor costs some microseconds per request and round.
+            # Rows of the forward's features, gathered with every other request's by commit_round's backlog (when
+            # keep_features): no tensor op here, per request and round.
             if len(kept) == len(features):
                 self.last_features = features
             else:
                 contiguous = kept[-1] == len(kept) - 1  # ascending rows: only a prefix ends at its own length - 1
-                self.last_features = features[:len(kept)] if contiguous else features[kept]
+                self.last_features = features.first(len(kept)) if contiguous else features.select(kept)
         if self.drafter is not None and not self.finished:
             try:
-                self.drafter.extend(self.draft_context, new_context, self.last_features)
+                self.drafter.extend(self.draft_context, new_context,
+                                    None if self.last_features is None else self.last_features.tensor())
             except DraftPoolFull:  # the drafter cannot hold this request: it goes on without trees
                 self.drafter.release(self.draft_context)
                 self.drafter = None

@@ -17,6 +17,7 @@ from treeserve.models import DecoderLM
 from treeserve.models.graphs import PagedRunner, TreeRows, buckets_up_to
 from treeserve.models.paged_kv import PagedAttention, PagedInputs, PagedKVCache, PagedSequence
 from treeserve.tree import MAX_BUDGET
+from treeserve.verifier.rows import Rows, gather
 from treeserve.verifier.tensor_parallel import agreed_blocks
 
 log = logging.getLogger("treeserve.verifier")
@@ -90,18 +91,22 @@ class TreeVerifier:
 
     def verify(self, sequences: list[PagedSequence], tokens: list[list[int]], positions: list[np.ndarray],
                masks: list[torch.Tensor], feature_layer_ids: tuple[int, ...] = ()
-               ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """One forward of every request's tree; returns each request's logits (its nodes' rows) and features."""
+               ) -> tuple[list[Rows], list[Rows | None]]:
+        """One forward of every request's tree; returns each request's logits (its nodes' rows) and features, as
+        rows of the forward's outputs (overwritten by the next replay of the same graph)."""
         if self.use_graphs and self.captured_features != tuple(feature_layer_ids):
             log.warning("recapturing the CUDA graphs for feature layers %s", list(feature_layer_ids))
             self.capture(feature_layer_ids)
         self.feature_layer_ids = tuple(feature_layer_ids)
         logits, features = self.runner.run(sequences, tokens, positions, masks)
-        sizes = [len(t) for t in tokens]
-        per_logits = [logits[b, :n] for b, n in enumerate(sizes)]
+        rows = logits.shape[1]  # padded: request b's nodes are rows b * rows .. of the flattened outputs
+        spans = [range(b * rows, b * rows + len(t)) for b, t in enumerate(tokens)]
+        all_logits = logits.flatten(0, 1)
+        per_logits = [Rows(all_logits, span) for span in spans]
         if features is None:
-            return per_logits, [None] * len(sizes)
-        return per_logits, [features[b, :n] for b, n in enumerate(sizes)]
+            return per_logits, [None] * len(spans)
+        all_features = features.flatten(0, 1)
+        return per_logits, [Rows(all_features, span) for span in spans]
 
     def prefills_in_pieces(self, rows: int) -> bool:
         """Whether a prompt of this many rows is prefilled through the runner (`prefill_in_pieces`)."""
@@ -109,13 +114,13 @@ class TreeVerifier:
 
     def prefill_in_pieces(self, sequences: list[PagedSequence], prompts: list[list[int]],
                           feature_layer_ids: tuple[int, ...] = ()
-                          ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+                          ) -> tuple[list[Rows], list[Rows | None]]:
         """Prompts through the runner (replaying its CUDA graphs) in pieces of up to its largest rows bucket: the
         k-th piece of every prompt in one forward, causal within itself and after the pieces before it. Returns
-        each prompt's logits at its last row (1, vocab) and its rows' features; every row is left pending in its
+        each prompt's logits at its last row (one row) and its rows' features; every row is left pending in its
         sequence, as `prefill` leaves them, for the caller to keep."""
         size = self.runner.max_rows
-        logits: list[torch.Tensor | None] = [None] * len(prompts)
+        logits: list[Rows | None] = [None] * len(prompts)
         pieces_features: list[list[torch.Tensor]] = [[] for _ in prompts]
         for start in range(0, max(map(len, prompts)), size):
             active = [j for j, prompt in enumerate(prompts) if len(prompt) > start]
@@ -129,10 +134,10 @@ class TreeVerifier:
             # Copied out: the next replay of the same graph overwrites its outputs.
             for j, piece, piece_logits, piece_features in zip(active, pieces, *found):
                 if start + len(piece) == len(prompts[j]):
-                    logits[j] = piece_logits[-1:].clone()
+                    logits[j] = Rows(gather([piece_logits.select([len(piece) - 1])], copy=True))
                 if piece_features is not None:
-                    pieces_features[j].append(piece_features.clone())
-        features = [torch.cat(chunks) if len(chunks) > 1 else (chunks[0] if chunks else None)
+                    pieces_features[j].append(gather([piece_features], copy=True))
+        features = [Rows(chunks[0] if len(chunks) == 1 else torch.cat(chunks)) if chunks else None
                     for chunks in pieces_features]
         return logits, features
 
