@@ -26,11 +26,14 @@ def test_one_run_is_a_view_unless_copied():
     assert copied.tolist() == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
 
 
-def test_first_and_select_name_rows_of_the_part():
+def test_slices_and_select_name_rows_of_the_part():
     source = torch.arange(20.0).view(10, 2)
     part = Rows(source, range(4, 9))
-    assert len(part) == 5 and len(part.first(2)) == 2
-    assert torch.equal(part.first(2).tensor(), source[4:6])
+    assert len(part) == 5 and len(part[:2]) == 2
+    assert torch.equal(part[:2].tensor(), source[4:6])
+    # A slice of a range stays a range: gathered as a view, with no index to copy to the device (a prompt's last
+    # row, each piece of a prefill: a copy from pageable memory would wait for the piece's forward).
+    assert isinstance(part[-1:].index, range) and part[-1:].tensor().data_ptr() == source[8].data_ptr()
     assert torch.equal(part.select([0, 3, 4]).tensor(), source[[4, 7, 8]])
     assert torch.equal(part.select([0, 3]).select([1]).tensor(), source[[7]])
     assert torch.equal(Rows(source).tensor(), source)

@@ -407,7 +407,7 @@ class Generation:
                 self.last_features = features
             else:
                 contiguous = kept[-1] == len(kept) - 1  # ascending rows: only a prefix ends at its own length - 1
-                self.last_features = features.first(len(kept)) if contiguous else features.select(kept)
+                self.last_features = features[:len(kept)] if contiguous else features.select(kept)
         if self.drafter is not None and not self.finished:
             try:
                 self.drafter.extend(self.draft_context, new_context,

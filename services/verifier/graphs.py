@@ -134,7 +134,7 @@ class TreeVerifier:
             # Copied out: the next replay of the same graph overwrites its outputs.
             for j, piece, piece_logits, piece_features in zip(active, pieces, *found):
                 if start + len(piece) == len(prompts[j]):
-                    logits[j] = Rows(gather([piece_logits.select([len(piece) - 1])], copy=True))
+                    logits[j] = Rows(gather([piece_logits[-1:]], copy=True))
                 if piece_features is not None:
                     pieces_features[j].append(gather([piece_features], copy=True))
         features = [Rows(chunks[0] if len(chunks) == 1 else torch.cat(chunks)) if chunks else None

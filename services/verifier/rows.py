@@ -25,8 +25,9 @@ class Rows:
     def __len__(self) -> int:
         return len(self.index)
 
-    def first(self, count: int) -> "Rows":
-        return Rows(self.source, self.index[:count])
+    def __getitem__(self, part: slice) -> "Rows":
+        """A slice of these rows (of a range, a range: gathered as a view)."""
+        return Rows(self.source, self.index[part])
 
     def select(self, positions: list[int]) -> "Rows":
         """These rows of this part, in this order (positions within the part)."""
@@ -65,4 +66,7 @@ def _gather_from(source: torch.Tensor, parts: list[Rows], copy: bool) -> torch.T
         index = np.arange(counts.sum()) + np.repeat(np.asarray(starts) - (np.cumsum(counts) - counts), counts)
     else:
         index = np.concatenate([np.asarray(part.index, dtype=np.int64) for part in parts])
-    return source.index_select(0, torch.from_numpy(index.astype(np.int64)).to(source.device))
+    index = torch.from_numpy(index.astype(np.int64))
+    if source.is_cuda:  # from page-locked memory: a copy from pageable memory would wait for the device first
+        index = index.pin_memory()
+    return source.index_select(0, index.to(source.device, non_blocking=True))
