@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 (at 5352efe): the DFlash chain stack on the chat prompts, greedy, 64 requests in closed loops of 192 (the
+# One H200 (at 5352efe, and again after the fix that followed): the DFlash chain stack on the chat prompts, greedy, 64 requests in closed loops of 192 (the
 # cell that lost most in run 7): an unprofiled plain and speculative run, then py-spy --idle profiles of the
 # verifier in a plain and in a speculative run, to see where the speculative run's plain rounds spend the time that
 # plain decoding's do not.
