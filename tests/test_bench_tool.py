@@ -101,6 +101,47 @@ def test_an_open_loop_sends_at_its_request_rate(services, tmp_path):
             assert row["identical_to_plain"] == "6/6" and row["per_request_speedup"] > 0
 
 
+def test_repeats_take_turns_and_pair_each_turn(services, tmp_path):
+    """--repeats: the modes take turns (plain first, then speculative first), each speculative run is compared with
+    the plain run of its turn, and the summary gives the median ratio and its range."""
+    report = bench(services, tmp_path / "turns.json", "--workload", "chat", "--concurrency", "2", "--requests", "2",
+                   "--max-new-tokens", "6", "--budgets", "4", "--repeats", "3", "--no-warmup")
+    assert [(r["mode"], r["turn"]) for r in report["runs"]] == [
+        ("plain", 0), ("speculative", 0), ("speculative", 1), ("plain", 1), ("plain", 2), ("speculative", 2)]
+    by_turn = {(r["mode"], r["turn"]): r for r in report["runs"]}
+    ratios = []
+    for turn in range(3):
+        speculative, plain = by_turn["speculative", turn], by_turn["plain", turn]
+        assert speculative["speedup"] == round(speculative["tokens_per_s"] / plain["tokens_per_s"], 3)
+        assert speculative["identical_to_plain"] == "2/2"
+        ratios.append(speculative["speedup"])
+    assert by_turn["plain", 1]["identical_to_plain"] == "2/2"  # plain decoding repeats itself too
+    [summary] = report["summary"]
+    assert summary["concurrency"] == 2 and summary["budget"] == 4 and summary["turns"] == 3
+    assert summary["speedup"] == sorted(ratios)[1] and summary["speedup_range"] == [min(ratios), max(ratios)]
+    assert summary["identical_to_plain"] == "6/6"
+
+
+def test_bench_stacks_tables_give_medians_and_ranges_over_turns(tmp_path):
+    from treeserve.gateway.bench import ratio_summary
+    from treeserve.gateway.bench_stacks import render_tables
+
+    def run(mode, turn, total, **extra):
+        return {"mode": mode, "budget": 16 if mode == "speculative" else 0, "turn": turn, "concurrency": 4,
+                "tokens_per_s": total, "per_request_tokens_per_s": total / 4, "saturated_tokens_per_s": None, **extra}
+
+    runs = [run("plain", 0, 1000.0), run("speculative", 0, 950.0, speedup=0.95, identical_to_plain="16/16"),
+            run("speculative", 1, 1030.0, speedup=1.01, identical_to_plain="16/16"), run("plain", 1, 1020.0),
+            run("plain", 2, 990.0), run("speculative", 2, 1000.0, speedup=1.01, identical_to_plain="15/16")]
+    [summary] = ratio_summary(runs)
+    assert (summary["plain_tokens_per_s"], summary["tokens_per_s"], summary["speedup"]) == (1000.0, 1000.0, 1.01)
+    assert summary["speedup_range"] == [0.95, 1.01] and summary["identical_to_plain"] == "47/48"
+    (tmp_path / "ngram-code-t0.json").write_text(json.dumps({"runs": runs}))
+    tables = render_tables(tmp_path, ["ngram"], ["code"], [0.0])
+    assert "medians over 3 turns of each mode" in tables
+    assert "| 4 | 1000 | 1000 (1.01x, 0.95-1.01, identical 47/48) |" in tables
+
+
 def test_bad_flags_and_a_missing_gateway_are_one_line(tmp_path):
     def run(*flags):
         return subprocess.run([sys.executable, "-m", "treeserve", "bench", *flags], capture_output=True, text=True,
@@ -113,6 +154,8 @@ def test_bad_flags_and_a_missing_gateway_are_one_line(tmp_path):
     assert done.returncode == 2 and "expected comma-separated integers" in done.stderr
     done = run("--address", "localhost:1", "--request-rate", "2,fast")
     assert done.returncode == 2 and "expected comma-separated numbers" in done.stderr
+    done = run("--address", "localhost:1", "--repeats", "0")
+    assert done.returncode == 1 and "--repeats" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     done = run("--address", "localhost:1", "--request-rate", "0")
     assert done.returncode == 1 and done.stderr.strip() == (
         "treeserve bench: error: --request-rate must be positive requests a second")

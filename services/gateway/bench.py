@@ -12,6 +12,12 @@ which leaves the final drain out; and the mean of each request's own rate), time
 inter-token latency (p50/p99), the mean tokens per verification round, the verifier's mean round time by phase
 (with --verifier-metrics), and errors by gRPC status. The JSON goes to --out, and a PNG plot beside it (tokens
 per second against concurrency; tokens per round against budget).
+
+One pair of runs resolves no difference below a few percent: on one H200, runs that did the same work read
+0.95-1.04x of each other (docs/benchmarks.md). With --repeats K each load runs each mode K times, the modes taking
+turns (plain first, then speculative first, ...) so that drift falls on both; each speculative run is compared
+with the plain run of its turn, and the report's `summary` gives per load and budget the medians and the range
+of the ratios.
 """
 
 from __future__ import annotations
@@ -248,19 +254,22 @@ def run_bench(args) -> dict:
             for mode, budget in modes:
                 requests = build_requests(prompts, count(load), warm_params, mode == "speculative", budget)
                 run(load, requests, f"warm-up {mode} {level_label(load)}")
-    for load in levels:
-        plain_outputs = None
-        for mode, budget in modes:
+    turns = [(load, turn) for load in levels for turn in range(args.repeats)]
+    plain_outputs = {}  # level -> the first plain run's outputs
+    for load, turn in turns:
+        for mode, budget in modes if turn % 2 == 0 else modes[::-1]:  # plain first, then speculative first, ...
             requests = build_requests(prompts, count(load), params, mode == "speculative", budget)
-            label = f"{mode}{f' budget {budget}' if budget else ''} {level_label(load)}"
+            label = (f"{mode}{f' budget {budget}' if budget else ''} {level_label(load)}"
+                     + (f" turn {turn + 1}/{args.repeats}" if args.repeats > 1 else ""))
             before = round_totals(args.verifier_metrics) if args.verifier_metrics else None
             results, started, wall_s, saturated_s = run(load, requests, label)
-            row = {"mode": mode, "budget": budget} | load | summarize(results, started, wall_s, saturated_s)
+            row = {"mode": mode, "budget": budget, "turn": turn} | load | summarize(results, started, wall_s,
+                                                                                  saturated_s)
             outputs = [r.token_ids if r.error is None else None for r in results]
-            if plain_outputs is None:
-                plain_outputs = outputs
+            if level(row) not in plain_outputs:  # turn 0 runs plain first
+                plain_outputs[level(row)] = outputs
             else:  # lossless: the same tokens as plain decoding (sampled requests too: request i has seed i)
-                same = sum(a is not None and a == b for a, b in zip(outputs, plain_outputs))
+                same = sum(a is not None and a == b for a, b in zip(outputs, plain_outputs[level(row)]))
                 row["identical_to_plain"] = f"{same}/{len(outputs)}"
             if before is not None:
                 after = round_totals(args.verifier_metrics)
@@ -279,16 +288,48 @@ def run_bench(args) -> dict:
                 if plain_admissions:  # requests it had decode plainly: drafting did not pay at their batch
                     row["adaptive_plain_admissions"] = plain_admissions
             report["runs"].append(row)
-    for row in report["runs"]:  # each speculative run against the plain run at its load
+    for row in report["runs"]:  # each speculative run against the plain run at its load and turn
         if row["mode"] == "speculative":
-            plain = next(r for r in report["runs"] if r["mode"] == "plain" and level(r) == level(row))
+            plain = next(r for r in report["runs"] if r["mode"] == "plain" and level(r) == level(row)
+                         and r["turn"] == row["turn"])
             row["speedup"] = round(row["tokens_per_s"] / plain["tokens_per_s"], 3) if plain["tokens_per_s"] else None
             if plain["per_request_tokens_per_s"]:  # what one user sees: below saturation, the open loop's ratio
                 own, theirs = row["per_request_tokens_per_s"], plain["per_request_tokens_per_s"]
                 row["per_request_speedup"] = round(own / theirs, 3)
             if row["saturated_tokens_per_s"] and plain["saturated_tokens_per_s"]:
                 row["saturated_speedup"] = round(row["saturated_tokens_per_s"] / plain["saturated_tokens_per_s"], 3)
+    report["summary"] = ratio_summary(report["runs"])
     return report
+
+
+def ratio_summary(runs: list[dict]) -> list[dict]:
+    """Per load and budget, over its turns: the median tok/s of each mode (aggregate and per request), the median
+    of the speculative runs' ratios to the plain runs of their turns and their range, and the outputs identical to
+    plain decoding's in all."""
+    def median(values):
+        values = [v for v in values if v is not None]
+        return round(statistics.median(values), 3) if values else None
+
+    summary = []
+    for load in sorted({level(row) for row in runs}):
+        at_load = [row for row in runs if level(row) == load]
+        plain = [row for row in at_load if row["mode"] == "plain"]
+        for budget in sorted({row["budget"] for row in at_load if row["mode"] == "speculative"}):
+            speculative = [row for row in at_load if row["mode"] == "speculative" and row["budget"] == budget]
+            ratios = [row["speedup"] for row in speculative if row.get("speedup") is not None]
+            own_ratios = [row["per_request_speedup"] for row in speculative if row.get("per_request_speedup")]
+            same, total = (sum(int(row["identical_to_plain"].split("/")[i]) for row in speculative) for i in (0, 1))
+            summary.append({load[0]: load[1], "budget": budget, "turns": len(speculative),
+                            "plain_tokens_per_s": median(row["tokens_per_s"] for row in plain),
+                            "tokens_per_s": median(row["tokens_per_s"] for row in speculative),
+                            "plain_per_request_tokens_per_s": median(row["per_request_tokens_per_s"] for row in plain),
+                            "per_request_tokens_per_s": median(row["per_request_tokens_per_s"] for row in speculative),
+                            "speedup": median(ratios), "speedup_range": [min(ratios), max(ratios)] if ratios else None,
+                            "per_request_speedup": median(own_ratios),
+                            "per_request_speedup_range": [min(own_ratios), max(own_ratios)] if own_ratios else None,
+                            "saturated_speedup": median(row.get("saturated_speedup") for row in speculative),
+                            "identical_to_plain": f"{same}/{total}"})
+    return summary
 
 
 def plot(report: dict, path: Path) -> bool:
@@ -302,10 +343,12 @@ def plot(report: dict, path: Path) -> bool:
     except ImportError:
         return False
     figure, (speed, accepted) = plt.subplots(1, 2, figsize=(11, 4.2))
-    series: dict[str, list[tuple[float, float]]] = {}
-    for row in report["runs"]:
-        name = "plain" if row["mode"] == "plain" else f"speculative, budget {row['budget']}"
-        series.setdefault(name, []).append((level(row)[1], row["tokens_per_s"]))
+    series: dict[str, list[tuple[float, float]]] = {}  # the median over turns at each load
+    for entry in report["summary"]:
+        load = entry.get("concurrency", entry.get("request_rate"))
+        if entry["budget"] == report["summary"][0]["budget"]:
+            series.setdefault("plain", []).append((load, entry["plain_tokens_per_s"]))
+        series.setdefault(f"speculative, budget {entry['budget']}", []).append((load, entry["tokens_per_s"]))
     for name, points in series.items():
         speed.plot(*zip(*sorted(points)), marker="o", label=name)
     open_loop = level(report["runs"][0])[0] == "request_rate"
@@ -318,7 +361,8 @@ def plot(report: dict, path: Path) -> bool:
     speed.legend()
     by_load: dict[float, list[tuple[int, float]]] = {}
     for row in report["runs"]:
-        if row["mode"] == "speculative" and row["tokens_per_round"] is not None:
+        # The first turn's: one point per budget (tokens per round hardly move between turns).
+        if row["mode"] == "speculative" and row["tokens_per_round"] is not None and row["turn"] == 0:
             by_load.setdefault(level(row)[1], []).append((row["budget"], row["tokens_per_round"]))
     for load, points in sorted(by_load.items()):
         accepted.plot(*zip(*sorted(points)), marker="o", label=f"{load:g}/s" if open_loop else f"{load:g} concurrent")
@@ -381,15 +425,19 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     parser.add_argument("--verifier-metrics", metavar="HOST:PORT",
                         help="the verifier's --metrics-listen, for its round time by phase")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each mode at each load, taking turns; ratios pair each turn's runs, and the "
+                             "summary gives their median and range (default 1)")
     parser.add_argument("--timeout-s", type=float, default=600, help="per request (default 600)")
     parser.add_argument("--out", default="bench.json", help="JSON results (default bench.json); the plot beside it")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
 
 
 def main_bench(args) -> int:
-    counts = [args.max_new_tokens, *args.concurrency, *args.budgets] + ([args.requests] if args.requests else [])
+    counts = [args.max_new_tokens, args.repeats, *args.concurrency, *args.budgets] + (
+        [args.requests] if args.requests else [])
     if not args.concurrency or not args.budgets or args.requests == 0 or min(counts) < 1:
-        raise TreeserveError("--requests, --max-new-tokens, --concurrency and --budgets must be positive")
+        raise TreeserveError("--requests, --max-new-tokens, --repeats, --concurrency and --budgets must be positive")
     if args.request_rate is not None and (not args.request_rate or min(args.request_rate) <= 0):
         raise TreeserveError("--request-rate must be positive requests a second")
     report = run_bench(args)
@@ -399,11 +447,18 @@ def main_bench(args) -> int:
     plotted = plot(report, picture)
     for row in report["runs"]:
         budget = f" budget {row['budget']}" if row["mode"] == "speculative" else ""
-        print(f"{row['mode']:11s}{budget:10s} {level_label(row):<7s} {row['tokens_per_s']:9.1f} tok/s  "
+        turn = f" turn {row['turn'] + 1}" if args.repeats > 1 else ""
+        print(f"{row['mode']:11s}{budget:10s} {level_label(row):<7s}{turn} {row['tokens_per_s']:9.1f} tok/s  "
               f"ttft p50 {row['ttft_ms']['p50']} ms  itl p50 {row['itl_ms']['p50']} ms  "
               f"tokens/round {row['tokens_per_round']}  errors {row['errors'] or 0}"
               + (f"  x{row['speedup']} vs plain (x{row.get('saturated_speedup')} while saturated, "
                  f"x{row.get('per_request_speedup')} per request), identical "
                  f"{row['identical_to_plain']}" if "speedup" in row else ""))
+    if args.repeats > 1:
+        for entry in report["summary"]:
+            low, high = entry["speedup_range"]
+            load = f"{entry['request_rate']:g}/s" if "request_rate" in entry else f"x{entry['concurrency']}"
+            print(f"budget {entry['budget']} {load}: median x{entry['speedup']} vs plain over {entry['turns']} turns "
+                  f"(x{low}-x{high}), identical {entry['identical_to_plain']}")
     print(f"wrote {out}" + (f" and {picture}" if plotted else " (no plot: matplotlib is not installed)"))
     return 0

@@ -27,18 +27,22 @@ def render_tables(out_dir: Path, drafters: list[str], workloads: list[str], temp
     its speculative run with the ratio. Closed loops: tok/s (the ratio while saturated too, where the run had such
     a stretch). Open loops: each request's own tok/s, the aggregate in brackets (below saturation both modes
     deliver what arrives)."""
-    from treeserve.gateway.bench import level
+    from treeserve.gateway.bench import level, ratio_summary
 
     lines = []
     for workload in workloads:
         for temperature in temperatures:
             reports = {d: json.loads((out_dir / f"{bench_name(d, workload, temperature)}.json").read_text())
                        for d in drafters}
+            summaries = {d: ratio_summary(report["runs"]) for d, report in reports.items()}
             loads = sorted({level(row) for report in reports.values() for row in report["runs"]})
             open_loop = loads[0][0] == "request_rate"
+            turns = max(entry["turns"] for summary in summaries.values() for entry in summary)
             about = ("each request's tok/s on average (all requests' together in brackets); speculative as a ratio "
                      "of the plain run of the same stack, per request" if open_loop else
                      "tok/s; speculative as a ratio of the plain run of the same stack (while saturated in brackets)")
+            if turns > 1:
+                about += f"; medians over {turns} turns of each mode, the ratios' range after them"
             lines += [f"### {workload}, temperature {temperature:g}", "", about, "",
                       f"| {'requests a second' if open_loop else 'concurrency'} | "
                       + " | ".join(f"plain ({d}) | {d}" for d in drafters) + " |",
@@ -46,23 +50,32 @@ def render_tables(out_dir: Path, drafters: list[str], workloads: list[str], temp
             for load in loads:
                 cells = []
                 for drafter in drafters:
-                    rows = [row for row in reports[drafter]["runs"] if level(row) == load]
-                    plain = next(row for row in rows if row["mode"] == "plain")
-                    speculative = [row for row in rows if row["mode"] == "speculative"]
+                    entries = [entry for entry in summaries[drafter] if level(entry) == load]
+                    plain = entries[0]  # each entry carries its load's plain medians
                     if open_loop:
-                        cells.append(f"{plain['per_request_tokens_per_s']:.0f} [{plain['tokens_per_s']:.0f}]")
-                        cells += [f"{row['per_request_tokens_per_s']:.0f} ({row['per_request_speedup']:.2f}x) "
-                                  f"[{row['tokens_per_s']:.0f}], identical {row['identical_to_plain']}"
-                                  for row in speculative]
+                        cells.append(f"{plain['plain_per_request_tokens_per_s']:.0f} "
+                                     f"[{plain['plain_tokens_per_s']:.0f}]")
+                        cells += [f"{entry['per_request_tokens_per_s']:.0f} ({entry['per_request_speedup']:.2f}x"
+                                  f"{ratio_range(entry, 'per_request_speedup_range')}) "
+                                  f"[{entry['tokens_per_s']:.0f}], identical {entry['identical_to_plain']}"
+                                  for entry in entries]
                         continue
-                    cells.append(f"{plain['tokens_per_s']:.0f}")
-                    for row in speculative:
-                        saturated = f" [{row['saturated_speedup']:.2f}x]" if row.get("saturated_speedup") else ""
-                        cells.append(f"{row['tokens_per_s']:.0f} ({row['speedup']:.2f}x{saturated}, identical "
-                                     f"{row['identical_to_plain']})")
+                    cells.append(f"{plain['plain_tokens_per_s']:.0f}")
+                    for entry in entries:
+                        saturated = f" [{entry['saturated_speedup']:.2f}x]" if entry["saturated_speedup"] else ""
+                        cells.append(f"{entry['tokens_per_s']:.0f} ({entry['speedup']:.2f}x{saturated}"
+                                     f"{ratio_range(entry)}, identical {entry['identical_to_plain']})")
                 lines.append(f"| {load[1]:g} | " + " | ".join(cells) + " |")
             lines.append("")
     return "\n".join(lines)
+
+
+def ratio_range(entry: dict, key: str = "speedup_range") -> str:
+    """The range of a load's ratios over its turns (nothing for one turn)."""
+    if entry["turns"] < 2 or entry[key] is None:
+        return ""
+    low, high = entry[key]
+    return f", {low:.2f}-{high:.2f}"
 
 
 def parse_args(argv: list[str] | None):
@@ -86,6 +99,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--requests", type=int, help="requests per run (default: treeserve bench's, four waves)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     p.add_argument("--budget", type=int, default=16, help="the requests' tree budget (default 16)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="turns of each mode at each load (treeserve bench's --repeats; default 1)")
     p.add_argument("--metrics-port", type=int, default=9464, help="the verifier's metrics port (default 9464)")
     p.add_argument("--start-timeout-s", type=float, default=600, help="how long to wait for each stack")
     args = p.parse_args(argv)
@@ -135,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                     flags += ["--request-rate", args.request_rate] if args.request_rate else []
                     flags += ["--prompts", args.prompts] if args.prompts else ["--workload", workload]
                     flags += ["--requests", str(args.requests)] if args.requests else []
+                    flags += ["--repeats", str(args.repeats)] if args.repeats > 1 else []
                     print(f"== {drafter}: {workload}, temperature {temperature:g}", file=sys.stderr, flush=True)
                     if treeserve_main(flags) != 0:
                         raise TreeserveError(f"treeserve bench failed for {drafter}, {workload}, "
