@@ -6,9 +6,11 @@ import torch
 from treeserve.verifier.rows import Rows, gather
 
 
-def test_gather_joins_parts_in_order_whatever_their_index():
-    source = torch.arange(40.0).view(10, 4)
-    other = torch.arange(100.0, 108.0).view(2, 4)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_gather_joins_parts_in_order_whatever_their_index(device):
+    source = torch.arange(40.0, device=device).view(10, 4)
+    other = torch.arange(100.0, 108.0, device=device).view(2, 4)
     parts = [Rows(source, range(0, 3)), Rows(source, range(5, 6)), Rows(source, [9, 7]), Rows(source, range(4, 4)),
              Rows(other, range(1, 2)), Rows(source, range(2, 4))]
     want = torch.cat([source[0:3], source[5:6], source[[9, 7]], other[1:2], source[2:4]])
