@@ -24,7 +24,7 @@ from treeserve.tokenizer import Tokenizer
 from treeserve.tree import MAX_BUDGET, DraftPoolFull, DraftTree, Drafter
 from treeserve.verifier.acceptance import walk_tree
 from treeserve.verifier.graphs import TreeVerifier, causal_mask
-from treeserve.verifier.rows import Rows, gather
+from treeserve.verifier.rows import Rows, gather, run_index, select_rows
 
 
 @dataclasses.dataclass
@@ -205,10 +205,8 @@ class FeatureBacklog:
         starts = np.cumsum(counts) - counts  # each (round, generation)'s first row in the rounds' rows
         # Each generation's row ranges in round order, one after another, without a loop per row.
         by_owner = np.argsort(owners, kind="stable")
-        ranges, lengths = starts[by_owner], counts[by_owner]
-        index = np.arange(lengths.sum()) + np.repeat(ranges - (np.cumsum(lengths) - lengths), lengths)
         piled = torch.cat([rows for _, rows, _ in self.rounds])
-        grouped = piled.index_select(0, torch.from_numpy(index).to(piled.device))
+        grouped = select_rows(piled, run_index(starts[by_owner], counts[by_owner]))
         if grouped.is_cuda:
             host = torch.empty(grouped.shape, dtype=grouped.dtype, pin_memory=True)
             host.copy_(grouped, non_blocking=True)

@@ -13,8 +13,8 @@ class Rows:
 
     A forward's outputs hold every request's rows. Slicing out each request's part cost one tensor op per request
     and round, and joining the parts again (for the round's picks, for the kept features) another: at 64 requests,
-    about 0.1 ms of host time for each such list on the CPU machine, on the round's critical path. A Rows is a Python object; `gather`
-    makes one tensor of many in one op."""
+    about 0.1 ms of host time for each such list on the CPU machine, on the round's critical path. A Rows is a
+    Python object; `gather` makes one tensor of many in one op."""
 
     __slots__ = ("source", "index")
 
@@ -61,12 +61,22 @@ def _gather_from(source: torch.Tensor, parts: list[Rows], copy: bool) -> torch.T
         if starts[1:] == stops[:-1]:  # one run of the source's rows: a plain round's, or one request's
             view = source[starts[0]:stops[-1]]
             return view.clone() if copy else view
-        counts = np.subtract(stops, starts)
-        # Each part's rows in turn, without a NumPy call per part.
-        index = np.arange(counts.sum()) + np.repeat(np.asarray(starts) - (np.cumsum(counts) - counts), counts)
+        index = run_index(np.asarray(starts), np.subtract(stops, starts))
     else:
         index = np.concatenate([np.asarray(part.index, dtype=np.int64) for part in parts])
+    return select_rows(source, index)
+
+
+def run_index(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The row numbers of runs starting at `starts`, `counts` long, one run after another, without a NumPy call
+    per run."""
+    return np.arange(counts.sum()) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
+
+
+def select_rows(source: torch.Tensor, index: np.ndarray) -> torch.Tensor:
+    """source.index_select(0, index), the index copied from page-locked memory to a GPU: a copy from pageable
+    memory would wait for the device's queued work first."""
     index = torch.from_numpy(index.astype(np.int64))
-    if source.is_cuda:  # from page-locked memory: a copy from pageable memory would wait for the device first
+    if source.is_cuda:
         index = index.pin_memory()
     return source.index_select(0, index.to(source.device, non_blocking=True))
