@@ -4,6 +4,7 @@ target's own output, with or without a working drafter, and cancellation frees w
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 
 import grpc
@@ -226,3 +227,25 @@ def test_where_drafting_has_stopped_paying_new_requests_decode_plainly(tmp_path,
     assert drafting == [False] * (len(prompts) - 1) + [True]  # the last one: the canary
     registry = scheduler.metrics.registry
     assert registry.get_sample_value("treeserve_verifier_plain_admissions_total") == len(prompts) - 1
+
+
+def test_a_ready_service_serves_with_its_startup_objects_frozen(tmp_path):
+    """`ready()` turns health SERVING, and the objects alive by then are out of the collector's reach: a full
+    collection no longer walks the model, tokenizer and modules a process keeps for its life."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def main():
+        service = await start_drafter(tmp_path)
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            assert (await check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            await service.ready()
+            assert (await check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+        await serving.abandon(service)
+
+    gc.unfreeze()
+    try:
+        asyncio.run(main())
+        assert gc.get_freeze_count() > 10_000  # this process has torch imported and a target loaded
+    finally:
+        gc.unfreeze()  # the tests after this one collect as usual

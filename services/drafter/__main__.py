@@ -116,7 +116,7 @@ async def serve(args: argparse.Namespace) -> None:
     except BaseException:
         await serving.abandon(service)
         raise
-    await service.set_serving(True)
+    await service.ready()
     log.info("drafter %s (max budget %d) serving on %s", args.kind, args.max_budget, service.address)
     await serving.run_until_signalled(service, args.grace_s)
     tracing.shutdown()

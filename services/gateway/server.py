@@ -242,7 +242,7 @@ async def serve(listen: str, servicer: GatewayServicer) -> tuple[Service, asynci
 
     async def become_ready():
         await servicer.wait_for_verifiers()
-        await service.set_serving(True)
+        await service.ready()
         log.info("gateway ready on %s", service.address)
 
     return service, asyncio.ensure_future(become_ready())

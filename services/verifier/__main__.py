@@ -122,7 +122,7 @@ async def serve(args, shard=None, followers=()) -> None:
             for (batch, rows), seconds in (await asyncio.to_thread(verifier.time_graphs)).items():
                 adaptive.observe_graph(batch, rows, seconds)
     scheduler_task = asyncio.ensure_future(scheduler.run())
-    await service.set_serving(True)
+    await service.ready()
     log.info("verifier ready: %s on %s, drafters: %s", args.target, args.device,
              ", ".join(link.address for link in links) or "none")
 

@@ -163,6 +163,7 @@ def follower_main(args) -> int:
         target = load_target(args.target, device=args.device, dtype=args.dtype, shard=shard)
     except TreeserveError:  # a bad target or flag: rank 0 loads the same and says it once
         return 1
+    serving.freeze_startup_objects()  # a collection's pause here would hold up every rank's round
     with torch.inference_mode():
         return follow(target.model, parallel.control_group())
 
