@@ -114,12 +114,18 @@ def test_new_requests_decode_plainly_where_drafting_has_stopped_paying():
     every = AdaptiveSpeculation.CANARY_EVERY
     assert [adaptive.speculates_new_request(60) for _ in range(2 * every)] == ([False] * (every - 1) + [True]) * 2
     assert adaptive.speculates_new_request(3)  # another batch bucket: nothing said against drafting there
+    # Running requests of such a batch stop drafting too, but for one in CANARY_EVERY (at least one).
+    assert adaptive.drafting_kept(64) == 64 // every and adaptive.drafting_kept(40) == 40 // every
+    assert adaptive.drafting_kept(3) is None
+    adaptive.unpaid_s[4] = AdaptiveSpeculation.GIVE_UP_AFTER_S
+    assert adaptive.drafting_kept(3) == 1
     # Four requests still draft (canaries), and their trees now accept well: were everyone drafting, it would pay.
     costs(adaptive, 64, {1: 11.0, 2: 11.2, 3: 11.4, 5: 11.6, 9: 12.0, 17: 13.0}, draft_ms=1.0,
           samples=RecentCost.WINDOW)
     accept(adaptive, ids[:4], 16, 9, rounds=20)
     adaptive.choose({i: 16 for i in ids[:4]}, batch=64)
     assert adaptive.unpaid_s[64] == 0.0 and adaptive.speculates_new_request(64)
+    assert adaptive.drafting_kept(64) is None
 
 
 def test_a_stretch_of_misses_does_not_stop_trees_that_pay_on_average():

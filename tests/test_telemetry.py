@@ -203,13 +203,14 @@ def test_round_totals_read_a_verifiers_rounds_from_its_metrics():
     metrics.rounds_by_budget.labels(budget="0").inc(2)
     metrics.rounds_by_budget.labels(budget="16").inc()
     metrics.plain_admissions.inc(5)
+    metrics.drafting_stopped.inc(3)
     server = telemetry.serve_metrics("127.0.0.1:0", metrics.registry)
     try:
         totals = telemetry.round_totals(f"127.0.0.1:{server.server_port}")
     finally:
         server.shutdown()
     assert totals.phases["round"] == (pytest.approx(0.040), 2.0)
-    assert totals.budgets == {0: 2.0, 16: 1.0} and totals.plain_admissions == 5.0
+    assert totals.budgets == {0: 2.0, 16: 1.0} and totals.plain_admissions == 5.0 and totals.drafting_stopped == 3.0
 
 
 @pytest.mark.parametrize("variables, enabled", [

@@ -229,6 +229,39 @@ def test_where_drafting_has_stopped_paying_new_requests_decode_plainly(tmp_path,
     assert registry.get_sample_value("treeserve_verifier_plain_admissions_total") == len(prompts) - 1
 
 
+def test_where_drafting_has_stopped_paying_running_requests_stop_drafting(tmp_path, target):
+    """Requests admitted drafting, in a batch where adaptive speculation has given drafting up, decode plainly
+    from the next round on, but for the newest one (the batch's canary), and every request streams the target's
+    own tokens."""
+    from treeserve.verifier.adaptive import AdaptiveSpeculation
+
+    prompts = repetitive_prompts(4, seed=5)
+
+    async def main():
+        drafter = await start_drafter(tmp_path)
+        links = [DrafterLink(drafter.address, 1.0)]
+        servicer = VerifierServicer("tiny", links, default_budget=8, default_max_new_tokens=16, max_batch=8)
+        service = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
+        adaptive = AdaptiveSpeculation()
+        adaptive.speculates_new_request = lambda batch: True  # all four are admitted drafting
+        adaptive.unpaid_s = {bucket: AdaptiveSpeculation.GIVE_UP_AFTER_S for bucket in (1, 2, 4, 8)}
+        scheduler = servicer.attach(target, build_verifier(target.model, 8, False, 0, block_size=4), adaptive)
+        task = asyncio.ensure_future(scheduler.run())
+        await scheduler.connect(links[0])
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            results = await asyncio.gather(*(collect(stub, request(prompt)) for prompt in prompts))
+        task.cancel()
+        await service.server.stop(0)
+        await drafter.server.stop(0)
+        return results, scheduler
+
+    results, scheduler = asyncio.run(main())
+    for prompt, (tokens, _) in zip(prompts, results):
+        assert tokens == expected(target, prompt)
+    assert scheduler.metrics.registry.get_sample_value("treeserve_verifier_drafting_stopped_total") == 3
+
+
 def test_a_ready_service_serves_with_its_startup_objects_frozen(tmp_path):
     """`ready()` turns health SERVING, and the objects alive by then are out of the collector's reach: a full
     collection no longer walks the model, tokenizer and modules a process keeps for its life."""

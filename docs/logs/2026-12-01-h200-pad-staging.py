@@ -1,6 +1,6 @@
 """Padding a reused staging buffer of a 64-request, 17-row forward (block tables 512 wide), on this host's CPU:
-torch's in-place fills (as `TreeRows.pad_` did before this change) against NumPy fills of the views `stage_trees`
-makes anyway (as it does now). Microseconds per padding, median of 7 runs of 2,000.
+torch's in-place fills (`TreeRows.pad_`) against NumPy fills of the views `stage_trees` makes anyway (3c9e03a
+padded that way; reverted after, the gain being 2 us). Microseconds per padding, median of 7 runs of 2,000.
     python docs/logs/2026-12-01-h200-pad-staging.py --out pad.json"""
 
 import argparse

@@ -151,6 +151,9 @@ class VerifierMetrics:
         self.plain_admissions = Counter(
             "treeserve_verifier_plain_admissions", "Requests that asked for trees and decode plainly: adaptive "
             "speculation found drafting does not pay at the batch they joined", registry=r)
+        self.drafting_stopped = Counter(
+            "treeserve_verifier_drafting_stopped", "Requests that stopped drafting mid-stream and decode plainly: "
+            "adaptive speculation found drafting does not pay at their batch", registry=r)
         self.realized_over_expected = Gauge(
             "treeserve_verifier_realized_over_expected", "Adaptive speculation: drafted tokens that recent "
             "speculative rounds at this batch bucket emitted over what its model expected (it scales the model)",
@@ -206,6 +209,7 @@ class RoundTotals:
     phases: dict[str, tuple[float, float]]  # phase -> (seconds, rounds) so far, `treeserve_round_seconds`
     budgets: dict[int, float]  # adaptive speculation: rounds so far by chosen budget (empty without it)
     plain_admissions: float = 0.0  # adaptive speculation: requests that asked for trees and decode plainly
+    drafting_stopped: float = 0.0  # adaptive speculation: requests that stopped drafting mid-stream
 
 
 def round_totals(metrics_address: str) -> RoundTotals:
@@ -217,10 +221,13 @@ def round_totals(metrics_address: str) -> RoundTotals:
     sums = dict(re.findall(r'treeserve_round_seconds_sum{phase="(\w+)"} (\S+)', text))
     counts = dict(re.findall(r'treeserve_round_seconds_count{phase="(\w+)"} (\S+)', text))
     budgets = re.findall(r'treeserve_verifier_rounds_by_budget_total{budget="(\d+)"} (\S+)', text)
-    plain_admissions = re.search(r"^treeserve_verifier_plain_admissions_total (\S+)", text, re.M)
+    def total(name: str) -> float:  # a counter without labels; 0 when the verifier does not have it
+        found = re.search(rf"^treeserve_verifier_{name}_total (\S+)", text, re.M)
+        return float(found.group(1)) if found else 0.0
+
     return RoundTotals({phase: (float(sums[phase]), float(counts[phase])) for phase in sums},
                        {int(budget): float(count) for budget, count in budgets},
-                       float(plain_admissions.group(1)) if plain_admissions else 0.0)
+                       total("plain_admissions"), total("drafting_stopped"))
 
 
 def round_phase_means(before: RoundTotals, after: RoundTotals) -> dict[str, float]:

@@ -284,9 +284,12 @@ def run_bench(args) -> dict:
                 chosen = rounds_by_budget(before, after)
                 if chosen:  # an adaptive verifier: the rounds by the budget it chose
                     row["adaptive_rounds_by_budget"] = {str(budget): count for budget, count in chosen.items()}
-                plain_admissions = int(after.plain_admissions - before.plain_admissions)
-                if plain_admissions:  # requests it had decode plainly: drafting did not pay at their batch
-                    row["adaptive_plain_admissions"] = plain_admissions
+                # Requests it had decode plainly, from their start or midway: drafting did not pay at their batch.
+                for key, requests_told in (
+                        ("adaptive_plain_admissions", after.plain_admissions - before.plain_admissions),
+                        ("adaptive_drafting_stopped", after.drafting_stopped - before.drafting_stopped)):
+                    if requests_told:
+                        row[key] = int(requests_told)
             report["runs"].append(row)
     for row in report["runs"]:  # each speculative run against the plain run at its load and turn
         if row["mode"] == "speculative":

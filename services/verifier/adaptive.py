@@ -28,8 +28,9 @@ rounds copy from its prompt and accept well) where it had about 1.5, and rounds 
 Plain decoding stays a candidate in every round, so where verification turns compute-bound (large batches),
 speculation switches itself off rather than costing throughput. A request that could draft still costs more
 than a plain one in a plain round (a DFlash request keeps its target features for the drafter), so where drafting
-would not have paid for a while even were every request drafting, new requests decode plainly, but for a few
-that keep drafting so that it is tried again (`speculates_new_request`).
+would not have paid for a while even were every request drafting, new requests decode plainly, and so do the
+running ones from then on, but for a few that keep drafting so that it is tried again (`speculates_new_request`,
+`drafting_kept`).
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ class AdaptiveSpeculation:
     EXPLORE_SHARE = 0.02
     # Once the rounds at a batch bucket have been plain for this long since drafting last paid there (the choice
     # would not speculate even were every request drafting), new requests there decode plainly but for one in
-    # CANARY_EVERY, which keeps drafting so that speculation is tried again. A request that drafts costs even in
+    # CANARY_EVERY, which keeps drafting so that speculation is tried again; running requests stop drafting but
+    # for the newest one in CANARY_EVERY (`drafting_kept`). A request that drafts costs even in
     # plain rounds: on the H200 at 64 requests, a DFlash request's kept features made plain rounds 1-1.5 ms
     # dearer, and that drafter never paid (docs/benchmarks.md).
     GIVE_UP_AFTER_S, CANARY_EVERY = 2.0, 16
@@ -312,14 +314,22 @@ class AdaptiveSpeculation:
         enough of their time that the try costs at most EXPLORE_SHARE of it."""
         return plain_rounds >= self.explore_interval and plain_seconds * self.EXPLORE_SHARE >= self.try_extra_s
 
+    def gave_up(self, batch: int) -> bool:
+        """Whether rounds at this batch's bucket have been plain for GIVE_UP_AFTER_S since drafting last paid."""
+        return self.unpaid_s.get(batch_bucket(batch), 0.0) >= self.GIVE_UP_AFTER_S
+
     def speculates_new_request(self, batch: int) -> bool:
-        """Whether a new request that asks for trees, joining a batch of `batch`, should draft: not where rounds
-        have been plain for GIVE_UP_AFTER_S since drafting last paid at that batch bucket, but for one request
-        in CANARY_EVERY."""
-        if self.unpaid_s.get(batch_bucket(batch), 0.0) < self.GIVE_UP_AFTER_S:
+        """Whether a new request that asks for trees, joining a batch of `batch`, should draft: not where drafting
+        has been given up at that batch bucket, but for one request in CANARY_EVERY."""
+        if not self.gave_up(batch):
             return True
         self.plain_admissions += 1
         return self.plain_admissions % self.CANARY_EVERY == 0
+
+    def drafting_kept(self, batch: int) -> int | None:
+        """How many of a batch's requests may go on drafting: all (None), unless drafting has been given up at its
+        bucket; then one in CANARY_EVERY, at least one, as new requests are admitted."""
+        return max(1, batch // self.CANARY_EVERY) if self.gave_up(batch) else None
 
     def _plain_settled(self, batch: int) -> bool:
         plain = self.verify_s.get(batch_bucket(batch), {}).get(tree_bucket(1))

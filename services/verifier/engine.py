@@ -415,6 +415,12 @@ class Generation:
                 self.drafter = None
         return committed
 
+    def stop_drafting(self) -> None:
+        """Decode plainly from now on: no trees, no features kept for a drafter (a server's request, whose remote
+        drafter the caller tells to forget it)."""
+        self.budget, self.feature_layer_ids, self.keep_features = 0, (), False
+        self.feature_chunks, self.last_features = [], None
+
     def release(self) -> None:
         """Give a paged cache's blocks back to the pool (a contiguous cache goes with the generation), and the
         local drafter's context its blocks."""

@@ -187,8 +187,28 @@ class Scheduler:
             self.metrics.requests.labels(outcome="error").inc()
             self.cancel(request_id)
 
+    def _stop_drafting_where_it_does_not_pay(self) -> None:
+        """Where adaptive speculation has given up drafting at this batch, the running requests that could draft
+        decode plainly from now on, as new ones are admitted, but for the newest few (`drafting_kept`). A request
+        that could draft costs even in plain rounds (its kept features, its place in each choice), and requests
+        admitted drafting before a batch filled up were most of the drafting ones in a 64-request batch on the
+        H200 (docs/benchmarks.md)."""
+        kept = self.adaptive.drafting_kept(len(self.running))
+        if kept is None:
+            return
+        drafting = [request_id for request_id, entry in self.running.items() if entry.link is not None]
+        for request_id in drafting[:max(0, len(drafting) - kept)]:  # oldest first: admission order
+            entry = self.running[request_id]
+            entry.link.forget(request_id)
+            entry.link = None
+            entry.generation.stop_drafting()
+            self.adaptive.forget(request_id)
+            self.metrics.drafting_stopped.inc()
+
     async def _drafts(self, spans: dict[str, trace.Span]) -> dict:
         """Trees for every prefilled, speculating request, one batched round trip per drafter."""
+        if self.adaptive is not None:
+            self._stop_drafting_where_it_does_not_pay()
         for entry in self.running.values():
             if entry.link is not None and not entry.link.up and not await self.connect(entry.link):
                 healthy = [link for link in self.links if link.up]  # move to a drafter that works
