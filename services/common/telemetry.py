@@ -221,6 +221,7 @@ def round_totals(metrics_address: str) -> RoundTotals:
     sums = dict(re.findall(r'treeserve_round_seconds_sum{phase="(\w+)"} (\S+)', text))
     counts = dict(re.findall(r'treeserve_round_seconds_count{phase="(\w+)"} (\S+)', text))
     budgets = re.findall(r'treeserve_verifier_rounds_by_budget_total{budget="(\d+)"} (\S+)', text)
+
     def total(name: str) -> float:  # a counter without labels; 0 when the verifier does not have it
         found = re.search(rf"^treeserve_verifier_{name}_total (\S+)", text, re.M)
         return float(found.group(1)) if found else 0.0
