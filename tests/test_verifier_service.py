@@ -191,6 +191,21 @@ def test_bad_requests_are_invalid_argument(tmp_path, target, message, text):
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and text in error.details()
 
 
+async def start_given_up_verifier(tmp_path, target, adaptive):
+    """A verifier with one drafter, whose `adaptive` speculation has given drafting up at every batch size."""
+    from treeserve.verifier.adaptive import AdaptiveSpeculation
+
+    drafter = await start_drafter(tmp_path)
+    links = [DrafterLink(drafter.address, 1.0)]
+    servicer = VerifierServicer("tiny", links, default_budget=8, default_max_new_tokens=16, max_batch=8)
+    service = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
+    adaptive.unpaid_s = {bucket: AdaptiveSpeculation.GIVE_UP_AFTER_S for bucket in (1, 2, 4, 8)}
+    scheduler = servicer.attach(target, build_verifier(target.model, 8, False, 0, block_size=4), adaptive)
+    task = asyncio.ensure_future(scheduler.run())
+    await scheduler.connect(links[0])
+    return drafter, service, scheduler, task
+
+
 def test_where_drafting_has_stopped_paying_new_requests_decode_plainly(tmp_path, target):
     """With adaptive speculation finding that drafting does not pay at any batch size, requests that ask for
     trees are admitted decoding plainly (no drafts, none of a drafting request's bookkeeping), but for one in
@@ -200,15 +215,7 @@ def test_where_drafting_has_stopped_paying_new_requests_decode_plainly(tmp_path,
     prompts = repetitive_prompts(AdaptiveSpeculation.CANARY_EVERY, seed=3)
 
     async def main():
-        drafter = await start_drafter(tmp_path)
-        links = [DrafterLink(drafter.address, 1.0)]
-        servicer = VerifierServicer("tiny", links, default_budget=8, default_max_new_tokens=16, max_batch=8)
-        service = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
-        adaptive = AdaptiveSpeculation()
-        adaptive.unpaid_s = {bucket: AdaptiveSpeculation.GIVE_UP_AFTER_S for bucket in (1, 2, 4, 8)}
-        scheduler = servicer.attach(target, build_verifier(target.model, 8, False, 0, block_size=4), adaptive)
-        task = asyncio.ensure_future(scheduler.run())
-        await scheduler.connect(links[0])
+        drafter, service, scheduler, task = await start_given_up_verifier(tmp_path, target, AdaptiveSpeculation())
         async with grpc.aio.insecure_channel(service.address) as channel:
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as refused:  # checked before it counts as an admission
@@ -238,16 +245,9 @@ def test_where_drafting_has_stopped_paying_running_requests_stop_drafting(tmp_pa
     prompts = repetitive_prompts(4, seed=5)
 
     async def main():
-        drafter = await start_drafter(tmp_path)
-        links = [DrafterLink(drafter.address, 1.0)]
-        servicer = VerifierServicer("tiny", links, default_budget=8, default_max_new_tokens=16, max_batch=8)
-        service = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
         adaptive = AdaptiveSpeculation()
         adaptive.speculates_new_request = lambda batch: True  # all four are admitted drafting
-        adaptive.unpaid_s = {bucket: AdaptiveSpeculation.GIVE_UP_AFTER_S for bucket in (1, 2, 4, 8)}
-        scheduler = servicer.attach(target, build_verifier(target.model, 8, False, 0, block_size=4), adaptive)
-        task = asyncio.ensure_future(scheduler.run())
-        await scheduler.connect(links[0])
+        drafter, service, scheduler, task = await start_given_up_verifier(tmp_path, target, adaptive)
         async with grpc.aio.insecure_channel(service.address) as channel:
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
             results = await asyncio.gather(*(collect(stub, request(prompt)) for prompt in prompts))
