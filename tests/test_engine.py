@@ -265,3 +265,35 @@ def test_kept_features_reach_the_host_in_order_when_flushed(device):
     assert received(a) == a.sent and received(b) == b.sent
     views = [chunk for chunk in a.feature_chunks if chunk._base is not None]
     assert len(a.feature_chunks) <= 3 + FeatureBacklog.JOIN_CHUNKS and len(views) <= FeatureBacklog.JOIN_CHUNKS
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_kept_features_of_a_few_requests_among_a_forwards_rows(device):
+    """FeatureBacklog, as a round leaves it: the requests that keep features hold scattered rows of one output they
+    share with the rest (a plain step's row, a tree's accepted nodes, a prompt's rows), and each gets exactly its
+    own rows, in round order, whatever the next round writes into that output."""
+    from types import SimpleNamespace
+
+    from treeserve.verifier.engine import FeatureBacklog
+    from treeserve.verifier.rows import Rows
+
+    a, b, c = (SimpleNamespace(last_features=None, feature_chunks=[]) for _ in range(3))
+    backlog = FeatureBacklog()
+    output = torch.empty(12, 2, device=device)  # a forward's outputs, overwritten every round
+    expected = {id(a): [], id(b): [], id(c): []}
+    rounds = [
+        [(a, range(2, 3)), (b, [4, 6, 7]), (c, range(8, 12))],  # a plain step, accepted tree nodes, a prompt
+        [(b, range(0, 1)), (c, range(11, 12))],
+        [(a, [5, 9]), (c, range(3, 4))],
+    ]
+    for number, kept in enumerate(rounds):
+        output.copy_(torch.arange(24, dtype=torch.float32).view(12, 2) + 100 * number)
+        for generation, index in kept:
+            generation.last_features = Rows(output, index)
+            expected[id(generation)] += output[list(index)].tolist()
+        backlog.add([generation for generation, _ in kept])
+    output.fill_(-1)  # the next replay: copied rows must not see it
+    backlog.flush()
+    for generation in (a, b, c):
+        assert torch.cat(generation.feature_chunks).tolist() == expected[id(generation)]
