@@ -56,6 +56,9 @@ class TreeVerifier:
         # 129 rows would reread the weights once per piece on a large model. Without graphs, 0: the eager forward
         # of one packed batch is the cheaper there.
         self.prefill_pieces = self.PREFILL_PIECES if graphs else 0
+        # The causal mask of a piece of each length, made once: one made per piece and round took 0.17-0.22 ms of
+        # a 64-request round with new code prompts in a profile on the H200 host.
+        self.piece_masks = [causal_mask(rows) for rows in range(self.runner.max_rows + 1)]
 
     def mirror_to(self, mirror) -> None:
         """Rank 0 of a tensor-parallel target: send every forward, capture and KV move to the other ranks first."""
@@ -130,7 +133,7 @@ class TreeVerifier:
                     earlier_pieces.enter_context(sequences[j].ahead(start))
                 found = self.verify([sequences[j] for j in active], pieces,
                                     [np.arange(len(piece)) + start for piece in pieces],
-                                    [causal_mask(len(piece)) for piece in pieces], feature_layer_ids)
+                                    [self.piece_masks[len(piece)] for piece in pieces], feature_layer_ids)
             # Copied out: the next replay of the same graph overwrites its outputs.
             for j, piece, piece_logits, piece_features in zip(active, pieces, *found):
                 if start + len(piece) == len(prompts[j]):
