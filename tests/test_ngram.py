@@ -82,5 +82,5 @@ def test_continuations_follow_the_longest_then_most_recent_occurrences():
         context = [rng.randrange(rng.randint(1, 8)) for _ in range(rng.randint(1, 100))]
         length = rng.randint(1, 20)
         starts = suffix_matches_in_order(context, drafter.max_ngram, drafter.min_ngram, drafter.max_continuations)
-        got = [continuation.tolist() for continuation in drafter.continuations(context, length)]
+        got = drafter.continuations(context, length)
         assert got == [context[start:start + length] for start in starts], (context, drafter.__dict__)
