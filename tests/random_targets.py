@@ -14,7 +14,7 @@ from tokenizers import models, pre_tokenizers
 
 from treeserve.models import DecoderLM, KVCache, ModelConfig, RopeScaling, TreeAttention
 from treeserve.tokenizer import Tokenizer
-from treeserve.tree import DraftTree, TokenDrafter
+from treeserve.tree import DraftTree, TokenContext, TokenDrafter
 
 ENGINE_FAMILIES = ("llama", "llama3", "qwen2", "qwen3")
 
@@ -62,12 +62,12 @@ class RandomTreeDrafter(TokenDrafter):
         self.rng = random.Random(seed)
         self.oracle_rate = oracle_rate
 
-    def tree(self, context: list[int], budget: int) -> DraftTree:
+    def tree(self, context: TokenContext, budget: int) -> DraftTree:
         rng = self.rng
         size = rng.randint(1, budget)
-        tokens, parents = [context[-1]], [-1]
+        tokens, parents = [context.tokens[-1]], [-1]
         if rng.random() < self.oracle_rate:
-            truth = self.continuation(context)[:rng.randint(0, size)]
+            truth = self.continuation(context.tokens)[:rng.randint(0, size)]
             if truth and rng.random() < 0.3:  # a wrong token where the path would continue
                 truth[-1] = (truth[-1] + 1) % self.vocab_size
             for token in truth:

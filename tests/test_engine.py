@@ -164,7 +164,7 @@ def test_a_malformed_tree_from_a_drafter_is_rejected(make_tree, message):
         name = "bad"
 
         def tree(self, context, budget):
-            return make_tree(context[-1])
+            return make_tree(context.tokens[-1])
 
     model = random_target("llama", vocab_size=VOCAB)
     generation = Generation(model, word_tokenizer(VOCAB), [3, 4, 0], GenerationParams(), BadDrafter(), 4)

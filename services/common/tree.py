@@ -118,12 +118,22 @@ class Drafter(Protocol):
 
 
 class TokenContext:
-    def __init__(self):
+    """A request's tokens so far, with where each token occurs, kept up to date as tokens come: a drafter looks a
+    token's earlier occurrences up instead of scanning the whole context."""
+
+    def __init__(self, tokens: list[int] = ()):
         self.tokens: list[int] = []
+        self.occurrences: dict[int, list[int]] = {}  # token -> its positions, ascending
+        self.add(tokens)
+
+    def add(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.occurrences.setdefault(token, []).append(len(self.tokens))
+            self.tokens.append(token)
 
 
 class TokenDrafter:
-    """Base for drafters that need only the tokens so far: subclasses implement `tree(tokens, budget)`."""
+    """Base for drafters that need only the tokens so far: subclasses implement `tree(context, budget)`."""
 
     name = "tokens"
     feature_layer_ids: tuple[int, ...] = ()
@@ -135,13 +145,13 @@ class TokenDrafter:
     def extend(self, context: TokenContext, tokens: list[int], features=None) -> None:
         if features is not None:
             raise TreeserveError(f"the {self.name} drafter takes no target features")
-        context.tokens.extend(tokens)
+        context.add(tokens)
 
     def propose(self, contexts: list[TokenContext], budgets: list[int]) -> list[DraftTree]:
-        return [self.tree(context.tokens, budget) for context, budget in zip(contexts, budgets)]
+        return [self.tree(context, budget) for context, budget in zip(contexts, budgets)]
 
     def release(self, context: TokenContext) -> None:
         pass
 
-    def tree(self, tokens: list[int], budget: int) -> DraftTree:
+    def tree(self, context: TokenContext, budget: int) -> DraftTree:
         raise NotImplementedError

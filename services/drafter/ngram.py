@@ -4,23 +4,7 @@ with different continuations become branches of one tree instead of one chain.""
 
 from __future__ import annotations
 
-from treeserve.errors import TreeserveError
 from treeserve.tree import DraftTree, TokenContext, TokenDrafter
-
-
-class NgramContext(TokenContext):
-    """A request's tokens so far, with where each token occurs, kept up to date as tokens come: a draft looks up
-    the earlier occurrences of the last token instead of scanning the whole context."""
-
-    def __init__(self, tokens: list[int] = ()):
-        super().__init__()
-        self.occurrences: dict[int, list[int]] = {}  # token -> its positions, ascending
-        self.add(tokens)
-
-    def add(self, tokens: list[int]) -> None:
-        for token in tokens:
-            self.occurrences.setdefault(token, []).append(len(self.tokens))
-            self.tokens.append(token)
 
 
 class NgramDrafter(TokenDrafter):
@@ -29,18 +13,7 @@ class NgramDrafter(TokenDrafter):
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_continuations: int = 16):
         self.max_ngram, self.min_ngram, self.max_continuations = max_ngram, min_ngram, max_continuations
 
-    def new_context(self) -> NgramContext:
-        return NgramContext()
-
-    def extend(self, context: NgramContext, tokens: list[int], features=None) -> None:
-        if features is not None:
-            raise TreeserveError(f"the {self.name} drafter takes no target features")
-        context.add(tokens)
-
-    def propose(self, contexts: list[NgramContext], budgets: list[int]) -> list[DraftTree]:
-        return [self.tree(context, budget) for context, budget in zip(contexts, budgets)]
-
-    def continuations(self, context: NgramContext | list[int], length: int) -> list[list[int]]:
+    def continuations(self, context: TokenContext | list[int], length: int) -> list[list[int]]:
         """Continuations of earlier occurrences of the context's suffix: longest suffix match (up to max_ngram)
         first, then the most recent occurrence first; each occurrence once.
 
@@ -50,8 +23,8 @@ class NgramDrafter(TokenDrafter):
         call overhead on small arrays (docs/logs/2026-12-01-cpu-ngram-draft.py), and 3.3-3.7 ms of a 64-request
         round on the H200 host went to drafting. With the most frequent token last, in contexts of 500-4000
         tokens: 13-41 us against 52-126."""
-        if not isinstance(context, NgramContext):
-            context = NgramContext(context)
+        if not isinstance(context, TokenContext):
+            context = TokenContext(context)
         tokens = context.tokens
         last = len(tokens) - 1
         longest = min(self.max_ngram, last)  # the longest suffix an earlier occurrence can match
@@ -69,10 +42,10 @@ class NgramDrafter(TokenDrafter):
         found.sort()
         return [tokens[1 - minus_end:1 - minus_end + length] for _, minus_end in found[:self.max_continuations]]
 
-    def tree(self, context: NgramContext | list[int], budget: int) -> DraftTree:
+    def tree(self, context: TokenContext | list[int], budget: int) -> DraftTree:
         """The tree for one context (or list of tokens): continuations merged into a trie of at most `budget`
         drafted nodes."""
-        tokens = context.tokens if isinstance(context, NgramContext) else context
+        tokens = context.tokens if isinstance(context, TokenContext) else context
         tree_tokens, parents = [tokens[-1]], [-1]
         node_of: dict[tuple[int, int], int] = {}  # (parent node, token) -> node: shared prefixes merge
         for continuation in self.continuations(context, budget):
