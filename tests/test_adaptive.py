@@ -192,6 +192,28 @@ def test_a_plain_decision_is_reused_for_a_few_rounds_of_the_same_batch():
     assert choices[:-1] == [0] * AdaptiveSpeculation.REUSE_PLAIN and choices[-1] > 0, choices
 
 
+def test_each_choice_says_what_it_expects_of_its_round():
+    """What a choice expects of its round, which the verifier checks against the round: plain decoding one token a
+    request in a plain round's time (a reused plain decision too), a tree its expected drafted tokens on top in the
+    tree's round time; nothing before plain rounds are measured."""
+    adaptive = AdaptiveSpeculation()
+    ids = [f"r{i}" for i in range(4)]
+    budgets = {i: 16 for i in ids}
+    assert adaptive.choose(budgets, batch=4) == 0 and adaptive.expected is None  # plain rounds are measured first
+    costs(adaptive, 4, {1: 2.0, 17: 2.5}, draft_ms=10.0)
+    accept(adaptive, ids, 16, 1)
+    assert adaptive.choose(budgets, batch=4) == 0 and adaptive.expected == (4.0, pytest.approx(0.002))
+    assert adaptive.choose(budgets, batch=4) == 0 and adaptive.expected == (4.0, pytest.approx(0.002))  # reused
+    costs(adaptive, 4, {1: 2.0, 17: 2.5}, draft_ms=0.5, samples=RecentCost.WINDOW)
+    accept(adaptive, ids, 16, 6)
+    drafting = ids[:3]
+    chosen = adaptive.choose({i: 16 for i in drafting}, batch=4)  # another batch signature: worked out anew
+    assert chosen > 0
+    tokens, seconds = adaptive.expected
+    assert tokens == pytest.approx(4 + sum(adaptive.expected_tokens(i, chosen) - 1 for i in drafting))
+    assert seconds == pytest.approx(adaptive.round_seconds(4, chosen))
+
+
 def test_graph_timings_price_unsettled_trees_on_top_of_measured_rounds():
     # Say a graph's replay alone is a fraction of a round (0.5 ms of a 2 ms plain round: the rest is host work). An
     # unsettled 17-node bucket costs the plain round plus the graphs' difference, not its bare replay.
@@ -341,6 +363,10 @@ def test_an_adaptive_stack_streams_the_tokens_of_plain_decoding(tmp_path):
         assert done.returncode == 0, done.stderr
         plain, speculative = json.loads(out.read_text())["runs"]
         assert "adaptive_rounds_by_budget" not in plain and sum(speculative["adaptive_rounds_by_budget"].values()) > 0
+        # ... and, for its rounds without a prompt, what it expected of them beside what they did.
+        checked = speculative["adaptive_checked"]
+        assert sum(figures["rounds"] for figures in checked.values()) > 0
+        assert all(figures["realized_ms"] > 0 and figures["expected_tokens"] >= 1 for figures in checked.values())
         assert speculative["identical_to_plain"] == "4/4"
     finally:
         services.stack.stop(grace_s=1)

@@ -146,6 +146,7 @@ class EveryFifthRound:
 
     def __init__(self):
         self.rounds, self.last_choice = 0, 0
+        self.expected = None  # no estimates to check rounds against
 
     def choose(self, budgets, batch):
         self.rounds += 1

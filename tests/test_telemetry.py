@@ -196,7 +196,8 @@ def test_metrics_are_served_over_http(tmp_path):
 
 
 def test_round_totals_read_a_verifiers_rounds_from_its_metrics():
-    """What `treeserve bench --verifier-metrics` reads: round phases, rounds by adaptive budget, plain admissions."""
+    """What `treeserve bench --verifier-metrics` reads: round phases, rounds by adaptive budget, plain admissions,
+    requests that stopped drafting, and adaptive speculation's expectations beside its rounds."""
     metrics = telemetry.VerifierMetrics()
     for seconds in (0.010, 0.030):
         metrics.round_seconds.labels(phase="round").observe(seconds)
@@ -206,11 +207,21 @@ def test_round_totals_read_a_verifiers_rounds_from_its_metrics():
     metrics.drafting_stopped.inc(3)
     server = telemetry.serve_metrics("127.0.0.1:0", metrics.registry)
     try:
+        before = telemetry.round_totals(f"127.0.0.1:{server.server_port}")
+        for expected, realized in ((8.0, 9.0), (10.0, 7.0)):  # two checked rounds at budget 4
+            metrics.checked_rounds.labels(budget="4").inc()
+            metrics.checked_tokens.labels(budget="4", kind="expected").inc(expected)
+            metrics.checked_tokens.labels(budget="4", kind="realized").inc(realized)
+            metrics.checked_seconds.labels(budget="4", kind="expected").inc(0.002)
+            metrics.checked_seconds.labels(budget="4", kind="realized").inc(0.003)
         totals = telemetry.round_totals(f"127.0.0.1:{server.server_port}")
     finally:
         server.shutdown()
     assert totals.phases["round"] == (pytest.approx(0.040), 2.0)
     assert totals.budgets == {0: 2.0, 16: 1.0} and totals.plain_admissions == 5.0 and totals.drafting_stopped == 3.0
+    assert before.checked == {}
+    assert telemetry.checked_by_budget(before, totals) == {4: {
+        "rounds": 2, "expected_tokens": 9.0, "realized_tokens": 8.0, "expected_ms": 2.0, "realized_ms": 3.0}}
 
 
 @pytest.mark.parametrize("variables, enabled", [

@@ -154,6 +154,18 @@ class VerifierMetrics:
         self.drafting_stopped = Counter(
             "treeserve_verifier_drafting_stopped", "Requests that stopped drafting mid-stream and decode plainly: "
             "adaptive speculation found drafting does not pay at their batch", registry=r)
+        # Adaptive speculation's model against what came of it, in the rounds it can be checked on (a round with a
+        # prompt in it does other work besides): by the budget chosen, the tokens and seconds each round was
+        # expected to take, and what it emitted and took.
+        self.checked_rounds = Counter(
+            "treeserve_verifier_checked_rounds", "Adaptive speculation: rounds without a prompt in them, by the "
+            "budget chosen", ["budget"], registry=r)
+        self.checked_tokens = Counter(
+            "treeserve_verifier_checked_tokens", "Adaptive speculation: tokens those rounds were expected to emit "
+            "(kind=expected) and emitted (kind=realized)", ["budget", "kind"], registry=r)
+        self.checked_seconds = Counter(
+            "treeserve_verifier_checked_seconds", "Adaptive speculation: seconds those rounds were expected to take "
+            "(kind=expected) and took (kind=realized)", ["budget", "kind"], registry=r)
         self.realized_over_expected = Gauge(
             "treeserve_verifier_realized_over_expected", "Adaptive speculation: drafted tokens that recent "
             "speculative rounds at this batch bucket emitted over what its model expected (it scales the model)",
@@ -210,6 +222,9 @@ class RoundTotals:
     budgets: dict[int, float]  # adaptive speculation: rounds so far by chosen budget (empty without it)
     plain_admissions: float = 0.0  # adaptive speculation: requests that asked for trees and decode plainly
     drafting_stopped: float = 0.0  # adaptive speculation: requests that stopped drafting mid-stream
+    # adaptive speculation, rounds without a prompt: budget -> {"rounds", "expected_tokens", "realized_tokens",
+    # "expected_s", "realized_s"} so far
+    checked: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 def round_totals(metrics_address: str) -> RoundTotals:
@@ -226,9 +241,16 @@ def round_totals(metrics_address: str) -> RoundTotals:
         found = re.search(rf"^treeserve_verifier_{name}_total (\S+)", text, re.M)
         return float(found.group(1)) if found else 0.0
 
+    checked: dict[int, dict[str, float]] = {}
+    for budget, count in re.findall(r'treeserve_verifier_checked_rounds_total{budget="(\d+)"} (\S+)', text):
+        checked.setdefault(int(budget), {})["rounds"] = float(count)
+    for what, unit in (("tokens", "tokens"), ("seconds", "s")):
+        for budget, kind, value in re.findall(
+                rf'treeserve_verifier_checked_{what}_total{{budget="(\d+)",kind="(\w+)"}} (\S+)', text):
+            checked.setdefault(int(budget), {})[f"{kind}_{unit}"] = float(value)
     return RoundTotals({phase: (float(sums[phase]), float(counts[phase])) for phase in sums},
                        {int(budget): float(count) for budget, count in budgets},
-                       total("plain_admissions"), total("drafting_stopped"))
+                       total("plain_admissions"), total("drafting_stopped"), checked)
 
 
 def round_phase_means(before: RoundTotals, after: RoundTotals) -> dict[str, float]:
@@ -245,6 +267,25 @@ def rounds_by_budget(before: RoundTotals, after: RoundTotals) -> dict[int, int]:
     """Rounds between two snapshots by the budget adaptive speculation chose (those it chose at least once)."""
     counts = {budget: int(count - before.budgets.get(budget, 0.0)) for budget, count in after.budgets.items()}
     return {budget: count for budget, count in sorted(counts.items()) if count}
+
+
+def checked_by_budget(before: RoundTotals, after: RoundTotals) -> dict[int, dict[str, float]]:
+    """Adaptive speculation's rounds without a prompt between two snapshots, by the budget chosen: how many, and
+    per round the tokens and milliseconds it expected of them and what they emitted and took."""
+    found = {}
+    for budget, totals in sorted(after.checked.items()):
+        earlier = before.checked.get(budget, {})
+        change = {key: value - earlier.get(key, 0.0) for key, value in totals.items()}
+        rounds = change.get("rounds", 0.0)
+        if rounds:
+            def per_round(key: str, scale: float = 1.0) -> float:
+                return round(change.get(key, 0.0) / rounds * scale, 3)
+
+            found[budget] = {"rounds": int(rounds),
+                             "expected_tokens": per_round("expected_tokens"),
+                             "realized_tokens": per_round("realized_tokens"),
+                             "expected_ms": per_round("expected_s", 1000), "realized_ms": per_round("realized_s", 1000)}
+    return found
 
 
 def percentile(values: list[float], percent: float) -> float | None:

@@ -214,7 +214,7 @@ async def model_info(address: str) -> dict:
 
 def run_bench(args) -> dict:
     from treeserve.drafter.corpus import read_prompts
-    from treeserve.telemetry import round_phase_means, round_totals, rounds_by_budget
+    from treeserve.telemetry import checked_by_budget, round_phase_means, round_totals, rounds_by_budget
 
     path = Path(args.prompts) if args.prompts else WORKLOADS[args.workload]
     if not args.prompts and not path.is_file():
@@ -284,6 +284,9 @@ def run_bench(args) -> dict:
                 chosen = rounds_by_budget(before, after)
                 if chosen:  # an adaptive verifier: the rounds by the budget it chose
                     row["adaptive_rounds_by_budget"] = {str(budget): count for budget, count in chosen.items()}
+                checked = checked_by_budget(before, after)
+                if checked:  # and what it expected of them against what they did
+                    row["adaptive_checked"] = {str(budget): figures for budget, figures in checked.items()}
                 # Requests it had decode plainly, from their start or midway: drafting did not pay at their batch.
                 for key, requests_told in (
                         ("adaptive_plain_admissions", after.plain_admissions - before.plain_admissions),

@@ -165,6 +165,8 @@ class AdaptiveSpeculation:
         self.overall_slope = DecayingRatio(decay)
         self.prior_slope = prior_slope
         self.last_choice = 0
+        # (tokens, seconds) the last choice expected of its round; None where it had no estimate to go by
+        self.expected: tuple[float, float] | None = None
         # After `explore_interval` plain rounds in a row (and EXPLORE_SHARE), one round speculates anyway:
         # acceptance is only learnt from trees, and it changes along a request (a repetitive stretch, a new
         # topic). A try that does not win speculation back doubles the interval, so a drafter that never pays
@@ -340,7 +342,7 @@ class AdaptiveSpeculation:
     def choose(self, budgets: dict[str, int], batch: int) -> int:
         """The round budget for the speculating requests (`budgets`: request id -> its own budget) in a batch of
         `batch` requests (the rest decode plainly: one token each)."""
-        self.pending = None
+        self.pending, self.expected = None, None
         if not budgets:
             return 0
         most = min(self.max_budget, max(budgets.values()))
@@ -350,6 +352,7 @@ class AdaptiveSpeculation:
             self.reused += 1  # (never in place of a try)
             self.plain_rounds += 1
             self.plain_seconds += self.plain_round_s
+            self.expected = (float(batch), self.plain_round_s)
             return 0
         reused, self.plain_signature, self.reused = self.reused, None, 0
         candidates = [step for step in (0,) + BUDGET_STEPS if self.min_budget <= step <= most]
@@ -399,4 +402,5 @@ class AdaptiveSpeculation:
         else:
             self.pending = (batch_bucket(batch), drafted[best])
         self.last_choice = best
+        self.expected = (batch + factor * drafted[best], seconds[best])
         return best

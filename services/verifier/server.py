@@ -63,6 +63,9 @@ class Scheduler:
         # of a verifier must want the same ones.
         self.feature_layer_ids: tuple[int, ...] = ()
         self.feature_backlog = FeatureBacklog()  # kept features on their way to the host, flushed before drafts
+        # This round's (budget chosen, tokens and seconds adaptive speculation expected of it), when it had an
+        # estimate; dropped by a round with a prompt in it. Checked against the round (`_check_expectation`).
+        self.round_expected: tuple[int, float, float] | None = None
         # Set when a tensor-parallel rank is gone: nothing runs again; `on_rank_lost(error)` takes the service down.
         self.lost: RankLost | None = None
         self.on_rank_lost = None
@@ -220,6 +223,8 @@ class Scheduler:
         budgets = {request_id: entry.generation.budget for request_id, entry in speculating.items()}
         if self.adaptive is not None and budgets:
             chosen = self.adaptive.choose(budgets, len(self.running))
+            if self.adaptive.expected is not None:
+                self.round_expected = (chosen, *self.adaptive.expected)
             self.metrics.round_budget.set(chosen)
             self.metrics.rounds_by_budget.labels(budget=str(chosen)).inc()
             budgets = {request_id: min(chosen, own) for request_id, own in budgets.items() if chosen > 0}
@@ -255,13 +260,29 @@ class Scheduler:
 
     async def _round(self) -> None:
         started = time.perf_counter()
+        self.round_expected = None
         spans = self._start_spans()
         try:
-            await self._verify(spans)
+            tokens = await self._verify(spans)
         finally:
             for span in spans.values():
                 span.end()
-        self.metrics.round_seconds.labels(phase="round").observe(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.metrics.round_seconds.labels(phase="round").observe(seconds)
+        self._check_expectation(tokens, seconds)
+
+    def _check_expectation(self, tokens: int, seconds: float) -> None:
+        """Adaptive speculation's expected tokens and seconds for this round, beside what it emitted and took (by
+        budget, in the metrics): where its model of costs and acceptance errs, and which way."""
+        if self.round_expected is None:
+            return
+        budget, expected_tokens, expected_s = self.round_expected
+        label = str(budget)
+        self.metrics.checked_rounds.labels(budget=label).inc()
+        self.metrics.checked_tokens.labels(budget=label, kind="expected").inc(expected_tokens)
+        self.metrics.checked_tokens.labels(budget=label, kind="realized").inc(tokens)
+        self.metrics.checked_seconds.labels(budget=label, kind="expected").inc(expected_s)
+        self.metrics.checked_seconds.labels(budget=label, kind="realized").inc(seconds)
 
     async def _forward(self, plans: list[ForwardPlan]) -> tuple[list, list]:
         """forward_batch, with its results on the device when this returns, while the loop goes on serving.
@@ -281,7 +302,8 @@ class Scheduler:
         await asyncio.to_thread(finished.synchronize)
         return found
 
-    async def _verify(self, spans: dict[str, trace.Span]) -> None:
+    async def _verify(self, spans: dict[str, trace.Span]) -> int:
+        """One round's drafts, forward and commits; returns the tokens it committed."""
         trees = await self._drafts(spans)
         plans = {}
         for request_id, entry in self.running.items():
@@ -291,7 +313,7 @@ class Scheduler:
                 log.warning("request %s: %s; decoding without a tree this round", request_id, error)
                 plans[request_id] = entry.generation.plan(None)
         if not plans:
-            return
+            return 0
         started = time.perf_counter()
         self.round_in_flight = True
         try:  # always the same feature layers: the CUDA graphs were captured computing them
@@ -310,9 +332,12 @@ class Scheduler:
         # The cost of verifying is only known here: the forward is launched asynchronously on a GPU, and
         # commit_round waits for its results (timing the launch alone made trees look almost free and plain
         # rounds several times cheaper than they are).
-        if self.adaptive is not None and all(plan.tree is not None for plan in plans.values()):  # no prefill
+        prompt_free = all(plan.tree is not None for plan in plans.values())
+        if self.adaptive is not None and prompt_free:
             self.adaptive.observe_verify(len(plans), max(plan.tree.size for plan in plans.values()),
                                          time.perf_counter() - started)
+        if not prompt_free:  # its prompt's work was not in the estimate
+            self.round_expected = None
         verified = []  # (drafted nodes, accepted depth) of each request's tree, for the metrics
         for request_id, committed in zip(alive, committed_lists):
             entry, plan = self.running[request_id], plans[request_id]
@@ -339,6 +364,7 @@ class Scheduler:
         self.metrics.generated_tokens.inc(round_tokens)
         self.metrics.record_trees(verified)
         self.metrics.round_seconds.labels(phase="verify").observe(time.perf_counter() - started)
+        return round_tokens
 
 
 def round_attributes(plan: ForwardPlan, generation: Generation, committed: list[int], batch_size: int) -> dict:
