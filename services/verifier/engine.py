@@ -24,7 +24,7 @@ from treeserve.tokenizer import Tokenizer
 from treeserve.tree import MAX_BUDGET, DraftPoolFull, DraftTree, Drafter
 from treeserve.verifier.acceptance import walk_tree
 from treeserve.verifier.graphs import TreeVerifier, causal_mask
-from treeserve.verifier.rows import Rows, gather, run_index, select_rows
+from treeserve.verifier.rows import Rows, gather, is_run, run_index, select_rows
 
 
 @dataclasses.dataclass
@@ -178,7 +178,7 @@ class FeatureBacklog:
         spans: dict[int, list] = {}  # id(source) -> [source, first row, end row]
         for generation in generations:
             rows = generation.last_features
-            first, end = (rows.index.start, rows.index.stop) if _is_run(rows.index) else (
+            first, end = (rows.index.start, rows.index.stop) if is_run(rows.index) else (
                 min(rows.index), max(rows.index) + 1)
             span = spans.get(id(rows.source))
             if span is None:
@@ -195,7 +195,7 @@ class FeatureBacklog:
             rows = generation.last_features
             by = shift[id(rows.source)]
             index = rows.index
-            self.kept.append((generation, range(index.start + by, index.stop + by) if _is_run(index)
+            self.kept.append((generation, range(index.start + by, index.stop + by) if is_run(index)
                               else [row + by for row in index]))
         self.rounds += 1
         if self.rounds >= self.FLUSH_ROUNDS or self.bytes >= self.FLUSH_BYTES:
@@ -228,7 +228,7 @@ class FeatureBacklog:
         counts = np.fromiter(map(len, indexes), dtype=np.int64, count=len(indexes))
         # Each generation's rows in round order, one generation after another.
         by_owner = np.argsort(owners, kind="stable")
-        if all(type(index) is range for index in indexes):  # without a NumPy call per round and generation
+        if all(is_run(index) for index in indexes):  # without a NumPy call per round and generation
             starts = np.fromiter((index.start for index in indexes), dtype=np.int64, count=len(indexes))
             order = run_index(starts[by_owner], counts[by_owner])
         else:
@@ -251,10 +251,6 @@ class FeatureBacklog:
             chunks.append(chunk)
         self.copies, self.kept = [], []
         self.piled_rows = self.rounds = self.bytes = 0
-
-
-def _is_run(index: range | list[int]) -> bool:
-    return type(index) is range and index.step == 1
 
 
 def commit_round(generations: list["Generation"], plans: list[ForwardPlan], logits: list[Rows],

@@ -54,8 +54,13 @@ def gather(parts: list[Rows], copy: bool = False) -> torch.Tensor:
     return joined[0] if len(joined) == 1 else torch.cat(joined)
 
 
+def is_run(index: range | list[int]) -> bool:
+    """Whether an index is one run of consecutive rows (a slice of the source, not a gather)."""
+    return type(index) is range and index.step == 1
+
+
 def _gather_from(source: torch.Tensor, parts: list[Rows], copy: bool) -> torch.Tensor:
-    if all(type(part.index) is range and part.index.step == 1 for part in parts):
+    if all(is_run(part.index) for part in parts):
         starts = [part.index.start for part in parts]
         stops = [part.index.stop for part in parts]
         if starts[1:] == stops[:-1]:  # one run of the source's rows: a plain round's, or one request's
