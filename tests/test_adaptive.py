@@ -54,6 +54,18 @@ def test_compute_bound_batches_fall_back_to_plain_decoding():
     assert 1 <= adaptive.choose({i: 16 for i in ids}, batch=64) <= 4
 
 
+def test_a_tree_must_promise_a_margin_over_plain_decoding():
+    """The chosen tree's estimate is the best of noisy ones and so likely to read high, and a tree costs what no
+    estimate holds: near break-even a round decodes plainly, and a tree is chosen where it clears the margin."""
+    for gain, chosen in ((1.02, 0), (1.10, 1)):
+        assert (gain > AdaptiveSpeculation.MARGIN) == (chosen > 0)
+        adaptive = AdaptiveSpeculation()
+        accept(adaptive, ["a"], 1, 2, rounds=200)  # the one drafted token accepted every round
+        tokens = adaptive.expected_tokens("a", 1)
+        costs(adaptive, 1, {1: 10.0, 2: 10.0 * tokens / gain})  # tokens a second: `gain` times plain decoding's
+        assert adaptive.choose({"a": 1}, batch=1) == chosen
+
+
 def test_failed_explorations_back_off():
     adaptive = AdaptiveSpeculation()
     ids = ["a", "b"]

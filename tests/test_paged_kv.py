@@ -50,6 +50,39 @@ def test_keep_compacts_like_the_contiguous_cache_and_frees_rejected_blocks():
     assert paged.allocator.free_count == 16
 
 
+def test_moves_made_together_end_as_moves_made_one_by_one():
+    """A round's accepted paths, kept inside `moves_together`, leave every sequence's rows as keeping them one at a
+    time does, with one copy; a sequence that finishes in the round (its blocks freed) does not disturb the rest."""
+    g = torch.Generator().manual_seed(1)
+    pools = [PagedKVCache(CFG, num_blocks=24, block_size=4, dtype=torch.float32, device="cpu") for _ in range(2)]
+    kept_rows = [[0, 2, 5], [0, 1, 2, 3], [0, 3, 4, 6, 8], [0, 4]]
+    sequences = [[pool.sequence() for _ in kept_rows] for pool in pools]
+    for i in range(len(kept_rows)):
+        prefix, count = torch.randn(3 + i, CFG.num_kv_heads, CFG.head_dim, generator=g), 9
+        rows = torch.randn(count, CFG.num_kv_heads, CFG.head_dim, generator=g)
+        for pool, own in zip(pools, sequences):
+            fill(pool, own[i].reserve(len(prefix)), prefix)
+            own[i].keep(list(range(len(prefix))))
+            fill(pool, own[i].reserve(count), rows)
+    copies = []  # the rows of each copy pools[1] makes (a move inside moves_together only defers one)
+    real_move = pools[1].move
+    def counted_move(source, target):
+        if pools[1].deferred_moves is None:
+            copies.append(len(source))
+        real_move(source, target)
+    pools[1].move = counted_move
+    for kept, sequence in zip(kept_rows, sequences[0]):
+        sequence.keep(kept)
+    with pools[1].moves_together():
+        for kept, sequence in zip(kept_rows, sequences[1]):
+            sequence.keep(kept)
+        sequences[1][3].release()  # finished this round
+    sequences[0][3].release()
+    assert copies == [3 + 5 + 2]  # one copy of the kept rows of all that moved (the second kept a prefix)
+    for one_by_one, together in zip(sequences[0][:3], sequences[1][:3]):
+        assert torch.equal(read(pools[0], one_by_one), read(pools[1], together))
+
+
 def test_sequences_share_the_pool_and_a_full_pool_is_a_clear_error():
     paged = PagedKVCache(CFG, num_blocks=5, block_size=8, dtype=torch.float32, device="cpu")
     first, second = paged.sequence(), paged.sequence()

@@ -4,10 +4,10 @@ waiting gauges every 100 ms (how full its batches ran over time); since 410769a 
 tokens, rounds, round tokens) and the verifier's realized-over-expected drafted tokens per batch bucket.
 
     python docs/logs/2026-11-30-h200-closed-loop-drive.py GATEWAY METRICS PROMPTS plain|spec CONCURRENCY REQUESTS \
-        MAX_NEW_TOKENS TEMPERATURE OUT.jsonl
+        MAX_NEW_TOKENS TEMPERATURE OUT.jsonl [BUDGET]
 
 GATEWAY as `treeserve up` prints it, METRICS its --verifier-metrics address, PROMPTS a JSONL prompt file
-(docs/prompts/held-out-code.jsonl). `spec` asks for budget 16 (adaptive speculation picks each round's)."""
+(docs/prompts/held-out-code.jsonl). `spec` asks for BUDGET (default 16; adaptive speculation picks each round's)."""
 
 import asyncio
 import json
@@ -25,9 +25,10 @@ from treeserve.telemetry import round_phase_means, round_totals, rounds_by_budge
 
 address, metrics, prompts_path, mode, concurrency, count, tokens, temperature, out = sys.argv[1:10]
 concurrency, count, tokens, temperature = int(concurrency), int(count), int(tokens), float(temperature)
+budget = int(sys.argv[10]) if len(sys.argv) > 10 else 16
 prompts = read_prompts(Path(prompts_path))
 requests = build_requests(prompts, count,
-                          GenerationParams(max_new_tokens=tokens, temperature=temperature), mode == "spec", 16)
+                          GenerationParams(max_new_tokens=tokens, temperature=temperature), mode == "spec", budget)
 gauges, stop = [], threading.Event()
 
 

@@ -1,7 +1,7 @@
 """Adaptive speculation: each round, the tree budget that maximises expected tokens per second.
 
-A round costs the drafter's time (nothing when no request drafts) plus one verification, whose cost depends on
-the batch and on the largest tree in it (the padded bucket it runs in). A request emits, in expectation,
+A round costs the drafter's round trip (nothing when no request drafts) plus one verification with the host's work
+around it, whose cost depends on the batch and on the largest tree in it (the padded bucket it runs in). A request emits, in expectation,
 1 + s * log2(1 + b) tokens with a budget of b: one bonus token always, plus accepted drafts that grow about
 logarithmically with the tree (each doubling of a best-first tree adds roughly the same depth), and at most
 b + 1. The slope s is learnt per request as a ratio of decaying sums (tokens accepted beyond the bonus one, over
@@ -17,7 +17,9 @@ So the choice is one budget T for the round (0: plain decoding, no drafter call)
 min(T, its own budget), and
 
     T = argmax  (batch + c(batch) * sum_i (E_i(min(T, budget_i)) - 1))
-                / (draft_time(batch, T) + verify_time(batch, T + 1 nodes)).
+                / (draft_time(batch, T) + verify_time(batch, T + 1 nodes)),
+
+plain decoding (T = 0) kept unless the best tree promises MARGIN times its tokens a second.
 
 c(batch) checks the model against what speculative rounds at that batch bucket really drafted: their realized
 drafted tokens over the model's expected ones (decaying sums), 1 until a few rounds are seen. The slopes alone
@@ -147,6 +149,12 @@ class AdaptiveSpeculation:
     # acceptance, so the choice's inputs hardly move, and working it out (tens of microseconds to a tenth of a
     # millisecond on the CPU machine) was a visible part of a SmolLM2 round at one request.
     REUSE_PLAIN = 8
+    # A tree must promise this much more than plain decoding to be chosen (and for drafting to count as paying).
+    # The choice takes the best of noisy estimates, so the chosen tree's is the likeliest to read high: on the H200
+    # at 16-64 requests, the trees chosen emitted 1-12 % fewer tokens a second than expected, and a round of trees
+    # also costs what no estimate here holds (the drafter's catch-up, trees in rounds with prompts). Near break-even
+    # speculating risks that and gains nothing; at one request the gains chosen were 50-90 %.
+    MARGIN = 1.05
 
     def __init__(self, min_budget: int = 0, max_budget: int = MAX_BUDGET, prior_slope: float = 0.5,
                  decay: float = 0.05, explore_every: int = 32):
@@ -188,7 +196,8 @@ class AdaptiveSpeculation:
         table.setdefault(batch_bucket(batch), {}).setdefault(tree_bucket(nodes), RecentCost()).add(seconds)
 
     def observe_verify(self, batch: int, nodes: int, seconds: float) -> None:
-        """A verification of `batch` requests whose largest tree had `nodes` nodes (1: plain decoding)."""
+        """A round of `batch` requests without a prompt, whose largest tree had `nodes` nodes (1: plain decoding),
+        took `seconds` beside its drafter round trip: the forward and the host's work around it."""
         self._add(self.verify_s, batch, nodes, seconds)
 
     def observe_graph(self, batch: int, nodes: int, seconds: float) -> None:
@@ -273,9 +282,10 @@ class AdaptiveSpeculation:
 
     def _verify_estimate(self, batch: int, bucket: int) -> float | None:
         """A verification's cost at this batch and tree bucket: its own rounds once settled. Before that, with
-        start-up graph timings, the nearest settled bucket's rounds plus the graphs' difference: a round's host
-        work hardly depends on the tree, and a graph's replay alone (a fraction of a round at SmolLM2's size)
-        would make every unsettled tree look almost free. Without them, the optimistic `_estimate`."""
+        start-up graph timings, the nearest settled bucket's rounds plus the graphs' difference: a graph's replay
+        alone (a fraction of a round at SmolLM2's size) would make every unsettled tree look almost free. That
+        leaves out what larger trees add to the host's work, so it errs low, and a tree is tried before it is
+        judged. Without graph timings, the optimistic `_estimate`."""
         row, graphs = self.verify_s.get(batch, {}), self.graph_s.get(batch, {})
         if bucket in row and row[bucket].settled:
             return row[bucket].value
@@ -375,9 +385,12 @@ class AdaptiveSpeculation:
             tokens = batch + factor * drafted[step]
             rates[step] = tokens / max(seconds[step], 1e-9)
         best = max(rates, key=lambda step: (rates[step], -step))  # ties: the smaller tree
-        if 0 in rates:  # would drafting pay were every request drafting, as the drafting ones do?
+        if 0 in rates:
+            if rates[best] < self.MARGIN * rates[0]:
+                best = 0
+            # Would drafting pay were every request drafting, as the drafting ones do?
             everyone = batch / len(budgets)
-            pays = any((batch + factor * drafted[step] * everyone) / seconds[step] > rates[0]
+            pays = any((batch + factor * drafted[step] * everyone) / seconds[step] > self.MARGIN * rates[0]
                        for step in rates if step > 0)
             self._note_unpaid(batch, None if pays else seconds[0] * (1 + reused))
         if log.isEnabledFor(logging.DEBUG):

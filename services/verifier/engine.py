@@ -8,6 +8,7 @@ plain autoregressive decoding through the same code.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -263,9 +264,11 @@ def commit_round(generations: list["Generation"], plans: list[ForwardPlan], logi
     picks = pick_round(generations, plans, logits)
     flat = torch.cat(picks).tolist()
     committed, start = [], 0
-    for generation, plan, plan_features, pick in zip(generations, plans, features, picks):
-        committed.append(generation.apply(plan, flat[start:start + len(pick)], plan_features))
-        start += len(pick)
+    pool = plans[0].cache.cache if isinstance(plans[0].cache, PagedSequence) else None
+    with pool.moves_together() if pool is not None else contextlib.nullcontext():  # the accepted paths' KV
+        for generation, plan, plan_features, pick in zip(generations, plans, features, picks):
+            committed.append(generation.apply(plan, flat[start:start + len(pick)], plan_features))
+            start += len(pick)
     keeping = [generation for generation in generations if generation.keep_features]
     if keeping:
         into = backlog if backlog is not None else FeatureBacklog()

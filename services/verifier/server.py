@@ -208,8 +208,9 @@ class Scheduler:
             self.adaptive.forget(request_id)
             self.metrics.drafting_stopped.inc()
 
-    async def _drafts(self, spans: dict[str, trace.Span]) -> dict:
-        """Trees for every prefilled, speculating request, one batched round trip per drafter."""
+    async def _drafts(self, spans: dict[str, trace.Span]) -> tuple[dict, float]:
+        """Trees for every prefilled, speculating request, one batched round trip per drafter; and the longest of
+        those round trips (0 without a draft)."""
         if self.adaptive is not None:
             self._stop_drafting_where_it_does_not_pay()
         for entry in self.running.values():
@@ -244,10 +245,10 @@ class Scheduler:
                 self.metrics.round_seconds.labels(phase="draft").observe(found.propose_s)
                 self.metrics.round_seconds.labels(phase="transport").observe(
                     max(0.0, found.round_trip_s - found.propose_s))
+        round_trip_s = max((found.round_trip_s for found in rounds), default=0.0)
         if self.adaptive is not None and budgets and any(found.trees for found in rounds):
-            self.adaptive.observe_draft(len(self.running), max(budgets.values()),
-                                        max(found.round_trip_s for found in rounds))
-        return trees
+            self.adaptive.observe_draft(len(self.running), max(budgets.values()), round_trip_s)
+        return trees, round_trip_s
 
     def _start_spans(self) -> dict[str, trace.Span]:
         """One span per request for this round (its prefill, or a verified tree), when tracing is on."""
@@ -304,7 +305,8 @@ class Scheduler:
 
     async def _verify(self, spans: dict[str, trace.Span]) -> int:
         """One round's drafts, forward and commits; returns the tokens it committed."""
-        trees = await self._drafts(spans)
+        round_started = time.perf_counter()
+        trees, draft_s = await self._drafts(spans)
         plans = {}
         for request_id, entry in self.running.items():
             try:
@@ -329,13 +331,7 @@ class Scheduler:
         committed_lists = commit_round([self.running[r].generation for r in alive], [plans[r] for r in alive],
                                        [logits[index[r]] for r in alive], [features[index[r]] for r in alive],
                                        self.feature_backlog)
-        # The cost of verifying is only known here: the forward is launched asynchronously on a GPU, and
-        # commit_round waits for its results (timing the launch alone made trees look almost free and plain
-        # rounds several times cheaper than they are).
         prompt_free = all(plan.tree is not None for plan in plans.values())
-        if self.adaptive is not None and prompt_free:
-            self.adaptive.observe_verify(len(plans), max(plan.tree.size for plan in plans.values()),
-                                         time.perf_counter() - started)
         if not prompt_free:  # its prompt's work was not in the estimate
             self.round_expected = None
         verified = []  # (drafted nodes, accepted depth) of each request's tree, for the metrics
@@ -356,6 +352,14 @@ class Scheduler:
                 self.metrics.requests.labels(outcome=generation.finish_reason).inc()
                 self.cancel(request_id)
         round_tokens = sum(map(len, committed_lists))
+        if self.adaptive is not None and prompt_free:
+            # The round's cost beside its draft, taken once its tokens are on their way: everything a tree adds
+            # to the host's work (plans, staging, the acceptance walk, the messages) is in it, as well as the
+            # forward, whose results commit_round waited for. Timing the forward alone left out 1-4 ms of a
+            # 16-64 request n-gram round on the H200, and trees were chosen where plain rounds emitted more a
+            # second (docs/benchmarks.md).
+            self.adaptive.observe_verify(len(plans), max(plan.tree.size for plan in plans.values()),
+                                         time.perf_counter() - round_started - draft_s)
         if self.adaptive is not None:
             checked = self.adaptive.observe_round(len(alive), round_tokens, drafted=any(nodes for nodes, _ in verified))
             if checked is not None:

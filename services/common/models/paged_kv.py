@@ -51,14 +51,32 @@ class PagedKVCache:
         # When a list (rank 0 of a tensor-parallel target), every `move` is also recorded here, so the other
         # ranks can repeat it on their shards of the pool.
         self.recorded_moves: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.deferred_moves: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # inside `moves_together`
 
     def move(self, source: torch.Tensor, target: torch.Tensor) -> None:
         """Copy the keys and values of every layer at slots `source` to slots `target` (host tensors)."""
+        if self.deferred_moves is not None:
+            self.deferred_moves.append((source, target))
+            return
         if self.recorded_moves is not None:
             self.recorded_moves.append((source, target))
         flat = self.data.flatten(2, 3)  # (2, layers, slots, kv_heads, head_dim)
-        device = flat.device
-        flat[:, :, target.to(device)] = flat[:, :, source.to(device)]  # indexing copies first: overlaps are safe
+        source, target = torch.stack([source, target]).to(flat.device)
+        flat[:, :, target] = flat[:, :, source]  # indexing copies first: overlaps are safe
+
+    @contextlib.contextmanager
+    def moves_together(self):
+        """The moves made inside happen on leaving, as one copy. A round's accepted paths, moved request by
+        request, cost two transfers and two indexing kernels each (at 64 requests, the host's launches add up);
+        the requests' slots never overlap, so one copy does the same. Blocks freed inside are not handed out again
+        before the copy: only a new reservation takes them."""
+        self.deferred_moves = []
+        try:
+            yield
+        finally:
+            moves, self.deferred_moves = self.deferred_moves, None
+            if moves:
+                self.move(torch.cat([source for source, _ in moves]), torch.cat([target for _, target in moves]))
 
     @staticmethod
     def blocks_that_fit(cfg: ModelConfig, block_size: int, dtype: torch.dtype, free_bytes: int,
