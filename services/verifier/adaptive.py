@@ -143,8 +143,9 @@ class AdaptiveSpeculation:
     # CANARY_EVERY, which keeps drafting so that speculation is tried again; running requests stop drafting but
     # for the newest one in CANARY_EVERY (`drafting_kept`). A request that drafts costs even in
     # plain rounds: on the H200 at 64 requests, a DFlash request's kept features made plain rounds 1-1.5 ms
-    # dearer, and that drafter never paid (docs/benchmarks.md).
-    GIVE_UP_AFTER_S, CANARY_EVERY = 2.0, 16
+    # dearer, and that drafter never paid (docs/benchmarks.md). After 2 s, the DFlash stacks on the H200 never
+    # gave up at 4 requests on code: two runs there held about 2 s of rounds at that bucket, and lost 3-8 %.
+    GIVE_UP_AFTER_S, CANARY_EVERY = 1.0, 16
     # A plain decision stands for up to this many more rounds of the same batch: plain rounds observe no
     # acceptance, so the choice's inputs hardly move, and working it out (tens of microseconds to a tenth of a
     # millisecond on the CPU machine) was a visible part of a SmolLM2 round at one request.
