@@ -60,6 +60,8 @@ def test_greedy_runs_side_by_side(services, tmp_path):
         # the first), at most a full batch of full trees.
         assert 0 < row["tokens_per_verifier_round"] <= row["concurrency"] * (row["budget"] + 1)
         assert 0 < row["mean_batch"] <= row["concurrency"]
+        # Every run prefills its requests' prompts, in rounds apart from the decoding-only ones.
+        assert 1 <= row["rounds_with_prompts"] < row["verifier_rounds"] and "round_with_prompts" in row["round_ms"]
         if row["mode"] == "plain":
             assert row["tokens_per_round"] == 1.0
             assert row["concurrency"] > 1 or row["tokens_per_verifier_round"] == row["mean_batch"] == 1.0

@@ -133,7 +133,7 @@ class VerifierMetrics:
         self.round_seconds = Histogram(
             "treeserve_round_seconds", "Round time by phase: draft (drafter compute), transport (round trip to "
             "the drafter minus its compute), verify (target forward and acceptance), round (the whole round, "
-            "scheduling included)", ["phase"],
+            "scheduling included), round_with_prompts (the same, of the rounds that prefill a prompt)", ["phase"],
             buckets=PHASE_BUCKETS, registry=r)
         self.generated_tokens = Counter("treeserve_generated_tokens", "Tokens committed to outputs", registry=r)
         self.requests = Counter("treeserve_verifier_requests", "Requests that ended, by how", ["outcome"],

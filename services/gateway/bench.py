@@ -281,6 +281,9 @@ def run_bench(args) -> dict:
                     row["verifier_rounds"] = int(rounds)
                     row["tokens_per_verifier_round"] = round(row["output_tokens"] / rounds, 2)
                     row["mean_batch"] = round(sum(1 + r.rounds for r in results if r.error is None) / rounds, 2)
+                    # round_ms's round_with_prompts is the mean of these (the rest of the rounds decode only)
+                    row["rounds_with_prompts"] = int(after.phases.get("round_with_prompts", (0.0, 0.0))[1]
+                                                     - before.phases.get("round_with_prompts", (0.0, 0.0))[1])
                 chosen = rounds_by_budget(before, after)
                 if chosen:  # an adaptive verifier: the rounds by the budget it chose
                     row["adaptive_rounds_by_budget"] = {str(budget): count for budget, count in chosen.items()}

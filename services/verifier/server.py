@@ -264,12 +264,14 @@ class Scheduler:
         self.round_expected = None
         spans = self._start_spans()
         try:
-            tokens = await self._verify(spans)
+            tokens, with_prompts = await self._verify(spans)
         finally:
             for span in spans.values():
                 span.end()
         seconds = time.perf_counter() - started
         self.metrics.round_seconds.labels(phase="round").observe(seconds)
+        if with_prompts:  # beside all rounds: where a mode's rounds with prompts cost more, and how many there were
+            self.metrics.round_seconds.labels(phase="round_with_prompts").observe(seconds)
         self._check_expectation(tokens, seconds)
 
     def _check_expectation(self, tokens: int, seconds: float) -> None:
@@ -303,8 +305,9 @@ class Scheduler:
         await asyncio.to_thread(finished.synchronize)
         return found
 
-    async def _verify(self, spans: dict[str, trace.Span]) -> int:
-        """One round's drafts, forward and commits; returns the tokens it committed."""
+    async def _verify(self, spans: dict[str, trace.Span]) -> tuple[int, bool]:
+        """One round's drafts, forward and commits; returns the tokens it committed, and whether it prefilled a
+        prompt."""
         round_started = time.perf_counter()
         trees, draft_s = await self._drafts(spans)
         plans = {}
@@ -315,7 +318,7 @@ class Scheduler:
                 log.warning("request %s: %s; decoding without a tree this round", request_id, error)
                 plans[request_id] = entry.generation.plan(None)
         if not plans:
-            return 0
+            return 0, False
         started = time.perf_counter()
         self.round_in_flight = True
         try:  # always the same feature layers: the CUDA graphs were captured computing them
@@ -368,7 +371,7 @@ class Scheduler:
         self.metrics.generated_tokens.inc(round_tokens)
         self.metrics.record_trees(verified)
         self.metrics.round_seconds.labels(phase="verify").observe(time.perf_counter() - started)
-        return round_tokens
+        return round_tokens, not prompt_free
 
 
 def round_attributes(plan: ForwardPlan, generation: Generation, committed: list[int], batch_size: int) -> dict:
