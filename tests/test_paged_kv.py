@@ -50,6 +50,16 @@ def test_keep_compacts_like_the_contiguous_cache_and_frees_rejected_blocks():
     assert paged.allocator.free_count == 16
 
 
+def test_slots_follow_the_block_table_within_a_block_and_across_blocks():
+    paged = PagedKVCache(CFG, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu")
+    sequence = paged.sequence()
+    sequence.blocks = [9, 2, 14, 5, 0, 11]  # out of order, as a pool hands them out after some churn
+    for start in range(len(sequence.blocks) * 4):
+        for count in range(len(sequence.blocks) * 4 - start + 1):
+            want = [sequence.blocks[p // 4] * 4 + p % 4 for p in range(start, start + count)]
+            assert sequence.slots(start, count).tolist() == want, (start, count)
+
+
 def test_moves_made_together_end_as_moves_made_one_by_one():
     """A round's accepted paths, kept inside `moves_together`, leave every sequence's rows as keeping them one at a
     time does, with one copy; a sequence that finishes in the round (its blocks freed) does not disturb the rest."""
