@@ -1,17 +1,17 @@
 """Adaptive speculation: each round, the tree budget that maximises expected tokens per second.
 
 A round costs the drafter's round trip (nothing when no request drafts) plus one verification with the host's work
-around it, whose cost depends on the batch and on the largest tree in it (the padded bucket it runs in). A request emits, in expectation,
-1 + s * log2(1 + b) tokens with a budget of b: one bonus token always, plus accepted drafts that grow about
-logarithmically with the tree (each doubling of a best-first tree adds roughly the same depth), and at most
-b + 1. The slope s is learnt per request as a ratio of decaying sums (tokens accepted beyond the bonus one, over
-log2(1 + b)), shrunk towards the same ratio over all requests: acceptance comes in bursts (a stretch that copies
-the prompt, then misses), and an average of per-round slopes swings with each burst where a ratio of sums
-does not. Costs are learnt per (batch bucket, tree bucket) from the rounds themselves (the median of the last
-few). Plain rounds are measured first at each batch bucket: they are the yardstick. Until a tree bucket has a
-few, its cost is the nearest settled bucket's plus the difference between their CUDA graphs, timed at start-up;
-without graph timings it costs at most what the nearest smaller one measured, so a larger tree is tried before
-it is judged.
+around it, whose cost depends on the batch and on the largest tree in it (the padded bucket it runs in). A request
+emits, in expectation, 1 + s * log2(1 + b) tokens with a budget of b: one bonus token always, plus accepted drafts
+that grow about logarithmically with the tree (each doubling of a best-first tree adds roughly the same depth), and
+at most b + 1. The slope s is learnt per request as a ratio of decaying sums (tokens accepted beyond the bonus one,
+over log2(1 + b)), shrunk towards the same ratio over all requests: acceptance comes in bursts (a stretch that
+copies the prompt, then misses), and an average of per-round slopes swings with each burst where a ratio of sums
+does not. Costs are learnt per (batch bucket, tree bucket) from the rounds themselves (the median of the last few).
+Plain rounds are measured first at each batch bucket: they are the yardstick. Until a tree bucket has a few, its
+cost is the nearest settled bucket's plus the difference between their CUDA graphs, timed at start-up; without
+graph timings it costs at most what the nearest smaller one measured, so a larger tree is tried before it is
+judged.
 
 So the choice is one budget T for the round (0: plain decoding, no drafter call): each speculating request drafts
 min(T, its own budget), and
