@@ -180,3 +180,22 @@ def test_empty_batch_and_bad_inputs():
         ddtree_trees(roots, log_probs, token_ids, [1, -1])
     with pytest.raises(TreeserveError):
         ddtree_trees(roots, log_probs, token_ids[:, :2], [1, 1])
+
+
+def test_ancestor_masks_follow_the_parents_and_are_shared_by_trees_of_one_shape():
+    import random
+
+    rng = random.Random(0)
+    for size in (1, 2, 5, 17, 129):
+        parents = [-1] + [rng.randrange(i) for i in range(1, size)]
+        mask = DraftTree(list(range(size)), parents).ancestor_mask()
+        for i in range(size):
+            ancestors, node = {i}, i
+            while parents[node] >= 0:
+                node = parents[node]
+                ancestors.add(node)
+            assert mask[i].tolist() == [j in ancestors for j in range(size)], (size, i)
+        same_shape = DraftTree([7] * size, list(parents)).ancestor_mask()
+        assert same_shape is mask  # worked out once per shape
+    assert DraftTree([1, 2, 3], [-1, 0, 0]).ancestor_mask()[2].tolist() == [True, False, True]
+    assert DraftTree([1, 2, 3], [-1, 0, 1]).ancestor_mask()[2].tolist() == [True, True, True]

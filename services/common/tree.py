@@ -7,6 +7,7 @@ Parents come before children (parents[i] < i), so depth and ancestry follow in o
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Protocol
 
 from treeserve.errors import TreeserveError
@@ -50,14 +51,10 @@ class DraftTree:
         return children
 
     def ancestor_mask(self, device="cpu"):
-        """(N, N) bool: mask[i, j] is True when j is i or one of its ancestors."""
-        import numpy as np  # here, not at the top: drafters use trees without needing torch
-        import torch
-
-        mask = np.eye(self.size, dtype=bool)  # NumPy rows: a few times cheaper than torch indexing per node
-        for i in range(1, self.size):
-            mask[i] |= mask[self.parents[i]]
-        return torch.from_numpy(mask).to(device)
+        """(N, N) bool: mask[i, j] is True when j is i or one of its ancestors. On the CPU, one tensor per tree
+        shape, shared by every tree of that shape: only ever read."""
+        mask = _ancestor_mask(tuple(self.parents))
+        return mask if device == "cpu" else mask.to(device)
 
     def truncated(self, max_depth: int) -> "DraftTree":
         """The nodes at depth <= max_depth (a round never needs to verify more tokens than it may emit)."""
@@ -72,6 +69,20 @@ class DraftTree:
                 tokens.append(self.tokens[i])
                 parents.append(new_index[self.parents[i]] if i else -1)
         return DraftTree(tokens, parents)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ancestor_mask(parents: tuple[int, ...]):
+    """DraftTree.ancestor_mask of trees with these parents. Trees of a few shapes come back round after round (a
+    drafter at budget 4 makes few), and working a mask out was half of planning a request's round (4 of 8 us on
+    the CPU machine; 0.24 ms of a 64-request round of trees on the H200 host)."""
+    import numpy as np  # here, not at the top: drafters use trees without needing torch
+    import torch
+
+    mask = np.eye(len(parents), dtype=bool)  # NumPy rows: a few times cheaper than torch indexing per node
+    for i in range(1, len(parents)):
+        mask[i] |= mask[parents[i]]
+    return torch.from_numpy(mask)
 
 
 # The largest tree a round verifies: the root plus this many drafted nodes.

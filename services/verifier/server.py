@@ -38,7 +38,7 @@ class Running:
     outbox: asyncio.Queue  # VerifierServiceGenerateResponse messages, or an Exception to end the stream with
     link: DrafterLink | None  # the drafter holding this request's context; None: no speculation
     span: trace.Span  # the request's span: its prefill and rounds are children
-    queued_round: int = 0  # the scheduler's round count when it arrived
+    queued_round: int  # the scheduler's round count when it arrived
 
 
 class Scheduler:
