@@ -89,6 +89,12 @@ def test_moves_made_together_end_as_moves_made_one_by_one():
         sequences[1][3].release()  # finished this round
     sequences[0][3].release()
     assert copies == [3 + 5 + 2]  # one copy of the kept rows of all that moved (the second kept a prefix)
+    with pools[1].moves_together():  # a block handed out before the copy could be written over: refused
+        with pytest.raises(TreeserveError, match="moves_together"):
+            sequences[1][0].reserve(20)
+        with pytest.raises(TreeserveError, match="does not nest"):
+            with pools[1].moves_together():
+                pass
     for one_by_one, together in zip(sequences[0][:3], sequences[1][:3]):
         assert torch.equal(read(pools[0], one_by_one), read(pools[1], together))
 

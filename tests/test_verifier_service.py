@@ -262,6 +262,52 @@ def test_where_drafting_has_stopped_paying_running_requests_stop_drafting(tmp_pa
     assert scheduler.metrics.registry.get_sample_value("treeserve_verifier_drafting_stopped_total") == 3
 
 
+class StallingDrafter(DrafterServicer):
+    """Serves GetInfo, then reads Draft messages and never answers them."""
+
+    def __init__(self):
+        super().__init__(NgramDrafter())
+        self.messages = 0
+
+    async def Draft(self, request_iterator, context):
+        async for _ in request_iterator:
+            self.messages += 1
+            await asyncio.sleep(60)
+
+
+def test_a_stalled_drafter_does_not_price_the_rounds_verification(tmp_path, target):
+    """A drafter that stops answering holds its round up until the link's timeout; adaptive speculation learns the
+    round's verification from what the round spent besides that wait, and the request gets the target's tokens."""
+    from treeserve.verifier.adaptive import AdaptiveSpeculation
+
+    prompt = repetitive_prompts(1, seed=8)[0]
+    timeout_s = 0.3
+
+    async def main():
+        stalling = StallingDrafter()
+        drafter = await serving.start(f"unix://{tmp_path}/drafter.sock", stalling.register)
+        links = [DrafterLink(drafter.address, timeout_s)]
+        servicer = VerifierServicer("tiny", links, default_budget=8, default_max_new_tokens=16, max_batch=8)
+        service = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
+        adaptive, learnt = AdaptiveSpeculation(), []  # every verification cost it is taught
+        observe = adaptive.observe_verify
+        adaptive.observe_verify = lambda batch, nodes, seconds: (learnt.append(seconds), observe(batch, nodes, seconds))
+        scheduler = servicer.attach(target, build_verifier(target.model, 8, False, 0, block_size=4), adaptive)
+        task = asyncio.ensure_future(scheduler.run())
+        await scheduler.connect(links[0])
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            tokens, _ = await collect(verifier_pb2_grpc.VerifierServiceStub(channel), request(prompt))
+        task.cancel()
+        await service.server.stop(0)
+        await drafter.server.stop(0)
+        return tokens, stalling.messages, learnt
+
+    tokens, stalled_rounds, learnt = asyncio.run(main())
+    assert tokens == expected(target, prompt)
+    assert stalled_rounds >= 1
+    assert learnt and max(learnt) < timeout_s / 2
+
+
 def test_new_requests_wait_a_few_rounds_to_be_prefilled_together(target):
     """With prefill_wait_rounds 3, requests that arrive while another decodes wait up to 3 rounds, then are
     prefilled in one round together, unless they could fill the batch; tokens are the target's own."""

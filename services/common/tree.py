@@ -71,7 +71,7 @@ class DraftTree:
         return DraftTree(tokens, parents)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1024)  # at most 17 MB of 129-node masks
 def _ancestor_mask(parents: tuple[int, ...]):
     """DraftTree.ancestor_mask of trees with these parents. Trees of a few shapes come back round after round (a
     drafter at budget 4 makes few), and working a mask out was half of planning a request's round (4 of 8 us on

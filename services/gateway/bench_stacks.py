@@ -121,6 +121,8 @@ def parse_args(argv: list[str] | None):
         p.error(str(error))
     if rates is not None and (not rates or min(rates) <= 0):
         p.error("--request-rate must be positive requests a second")
+    if args.prefill_wait_rounds < 0:
+        p.error("--prefill-wait-rounds must be 0 or more")
     return args
 
 

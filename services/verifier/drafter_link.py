@@ -52,7 +52,8 @@ class DraftRound:
 
     trees: dict[str, DraftTree]
     propose_s: float = 0.0  # the drafter's compute, as it reports it
-    round_trip_s: float = 0.0  # write to read on the stream; minus propose_s, this is transport
+    round_trip_s: float = 0.0  # write to read on the stream (to the failure, for a round that failed); minus
+    # propose_s, this is transport
     # The round's messages (more than one request when its features were split: MESSAGE_FEATURE_BYTES).
     requests: list[drafter_pb2.DraftRequest] = dataclasses.field(default_factory=list)
     responses: list[drafter_pb2.DraftResponse] = dataclasses.field(default_factory=list)
@@ -166,7 +167,7 @@ class DrafterLink:
         except (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError, asyncio.InvalidStateError) as error:
             detail = error.code().name if isinstance(error, grpc.aio.AioRpcError) else error
             self._down(f"round failed: {type(error).__name__}: {detail}")
-            return DraftRound({})
+            return DraftRound({}, round_trip_s=time.perf_counter() - started)  # the wait is the round's all the same
         return DraftRound(trees, propose_s, time.perf_counter() - started, messages, replies)
 
     def _messages(self, requests: dict, trace_contexts: dict[str, dict[str, str]], budgets: dict[str, int]

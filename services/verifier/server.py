@@ -232,15 +232,17 @@ class Scheduler:
             self.metrics.drafting_stopped.inc()
 
     async def _drafts(self, spans: dict[str, trace.Span]) -> tuple[dict, float]:
-        """Trees for every prefilled, speculating request, one batched round trip per drafter; and the longest of
-        those round trips (0 without a draft)."""
+        """Trees for every prefilled, speculating request, one batched round trip per drafter; and the seconds
+        spent waiting on drafters: reconnecting, and the longest round trip (a failed one's until it failed)."""
         if self.adaptive is not None:
             self._stop_drafting_where_it_does_not_pay()
+        connecting_started = time.perf_counter()
         for entry in self.running.values():
             if entry.link is not None and not entry.link.up and not await self.connect(entry.link):
                 healthy = [link for link in self.links if link.up]  # move to a drafter that works
                 if healthy:
                     entry.link = min(healthy, key=self._load)
+        connecting_s = time.perf_counter() - connecting_started
         speculating = {request_id: entry for request_id, entry in self.running.items()
                        if entry.link is not None and entry.link.up and entry.generation.prefilled
                        and self.can_draft(entry, entry.link)}
@@ -268,10 +270,10 @@ class Scheduler:
                 self.metrics.round_seconds.labels(phase="draft").observe(found.propose_s)
                 self.metrics.round_seconds.labels(phase="transport").observe(
                     max(0.0, found.round_trip_s - found.propose_s))
-        round_trip_s = max((found.round_trip_s for found in rounds), default=0.0)
         if self.adaptive is not None and budgets and any(found.trees for found in rounds):
-            self.adaptive.observe_draft(len(self.running), max(budgets.values()), round_trip_s)
-        return trees, round_trip_s
+            self.adaptive.observe_draft(len(self.running), max(budgets.values()),
+                                        max(found.round_trip_s for found in rounds if found.trees))
+        return trees, connecting_s + max((found.round_trip_s for found in rounds), default=0.0)
 
     def _start_spans(self) -> dict[str, trace.Span]:
         """One span per request for this round (its prefill, or a verified tree), when tracing is on."""
@@ -333,7 +335,7 @@ class Scheduler:
         """One round's drafts, forward and commits; returns the tokens it committed, and whether it prefilled a
         prompt."""
         round_started = time.perf_counter()
-        trees, draft_s = await self._drafts(spans)
+        trees, drafters_s = await self._drafts(spans)
         plans = {}
         for request_id, entry in self.running.items():
             try:
@@ -380,13 +382,14 @@ class Scheduler:
                 self.cancel(request_id)
         round_tokens = sum(map(len, committed_lists))
         if self.adaptive is not None and prompt_free:
-            # The round's cost beside its draft, taken once its tokens are on their way: everything a tree adds
-            # to the host's work (plans, staging, the acceptance walk, the messages) is in it, as well as the
-            # forward, whose results commit_round waited for. Timing the forward alone left out 1-4 ms of a
+            # The round's cost beside its wait on drafters, taken once its tokens are on their way: everything a
+            # tree adds to the host's work (plans, staging, the acceptance walk, the messages) is in it, as well
+            # as the forward, whose results commit_round waited for. Timing the forward alone left out 1-4 ms of a
             # 16-64 request n-gram round on the H200, and trees were chosen where plain rounds emitted more a
-            # second (docs/benchmarks.md).
+            # second (docs/benchmarks.md). A drafter that failed or was reconnected to is waited on apart, so
+            # its stall does not price this round's verification.
             self.adaptive.observe_verify(len(plans), max(plan.tree.size for plan in plans.values()),
-                                         time.perf_counter() - round_started - draft_s)
+                                         time.perf_counter() - round_started - drafters_s)
         if self.adaptive is not None:
             checked = self.adaptive.observe_round(len(alive), round_tokens, drafted=any(nodes for nodes, _ in verified))
             if checked is not None:

@@ -69,7 +69,9 @@ class PagedKVCache:
         """The moves made inside happen on leaving, as one copy. A round's accepted paths, moved request by
         request, cost two transfers and two indexing kernels each (at 64 requests, the host's launches add up);
         the requests' slots never overlap, so one copy does the same. Blocks freed inside are not handed out again
-        before the copy: only a new reservation takes them."""
+        before the copy: only a new reservation takes them, and none may be made inside."""
+        if self.deferred_moves is not None:
+            raise TreeserveError("moves_together does not nest")
         self.deferred_moves = []
         try:
             yield
@@ -130,6 +132,8 @@ class PagedSequence:
         """Blocks enough for `count` pending rows after the committed ones."""
         needed = self.cache.blocks_for(self.length + count) - len(self.blocks)
         if needed > 0:
+            if self.cache.deferred_moves is not None:  # a block freed inside could be handed out before its copy
+                raise TreeserveError("blocks reserved while KV moves wait (inside moves_together)")
             self.blocks += self.cache.allocator.allocate(needed)
 
     @contextlib.contextmanager
