@@ -72,7 +72,8 @@ class Scheduler:
         self.feature_layer_ids: tuple[int, ...] = ()
         self.feature_backlog = FeatureBacklog()  # kept features on their way to the host, flushed before drafts
         # This round's (budget chosen, tokens and seconds adaptive speculation expected of it), when it had an
-        # estimate; dropped by a round with a prompt in it. Checked against the round (`_check_expectation`).
+        # estimate. Checked against the round (`_check_expectation`) unless the round prefilled a prompt, whose
+        # work was not in the estimate.
         self.round_expected: tuple[int, float, float] | None = None
         # Set when a tensor-parallel rank is gone: nothing runs again; `on_rank_lost(error)` takes the service down.
         self.lost: RankLost | None = None
@@ -298,7 +299,8 @@ class Scheduler:
         self.metrics.round_seconds.labels(phase="round").observe(seconds)
         if with_prompts:  # beside all rounds: where a mode's rounds with prompts cost more, and how many there were
             self.metrics.round_seconds.labels(phase="round_with_prompts").observe(seconds)
-        self._check_expectation(tokens, seconds)
+        else:
+            self._check_expectation(tokens, seconds)
 
     def _check_expectation(self, tokens: int, seconds: float) -> None:
         """Adaptive speculation's expected tokens and seconds for this round, beside what it emitted and took (by
@@ -361,8 +363,6 @@ class Scheduler:
                                        [logits[index[r]] for r in alive], [features[index[r]] for r in alive],
                                        self.feature_backlog)
         prompt_free = all(plan.tree is not None for plan in plans.values())
-        if not prompt_free:  # its prompt's work was not in the estimate
-            self.round_expected = None
         verified = []  # (drafted nodes, accepted depth) of each request's tree, for the metrics
         for request_id, committed in zip(alive, committed_lists):
             entry, plan = self.running[request_id], plans[request_id]
