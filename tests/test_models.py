@@ -7,6 +7,7 @@ plain causal forwards. The real SmolLM2 GGUF is checked against transformers' ow
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import random
@@ -353,6 +354,16 @@ def test_chat_template_renders(fmt, loaded):
     ids = tokenizer.encode_chat("Hi!")
     reply_header = tokenizer.encode("<|im_start|>assistant\n")
     assert ids[0] == 1 and ids.count(2) == 1 and ids[-len(reply_header):] == reply_header
+
+
+def test_a_broken_chat_template_is_a_clear_error(loaded):
+    tokenizer = loaded("qwen3", "hf").tokenizer
+    broken = dataclasses.replace(tokenizer, chat_template="{% for m in messages %}{{ m.content }}")  # no endfor
+    refusing = dataclasses.replace(tokenizer, chat_template="{{ raise_exception('system turns only') }}")
+    for bad, message in ((broken, "could not be rendered"), (refusing, "system turns only")):
+        for _ in range(2):  # not only the first render: the template is compiled once and kept
+            with pytest.raises(TreeserveError, match=message):
+                bad.render_chat([{"role": "user", "content": "Hi"}])
 
 
 # ---------------------------------------------------------------------------------------------- loader errors

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jinja2
 import jinja2.sandbox
@@ -30,10 +31,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
-        """The model's chat template applied to `messages`, ready for the assistant's reply."""
-        if not self.chat_template:
-            raise TreeserveError("--chat: this model has no chat template")
+    @functools.cached_property
+    def _chat(self) -> jinja2.Template:
+        """The chat template, compiled once: compiling it took 1.6 ms of each chat request on the gateway's event
+        loop (SmolLM2's template, on the CPU machine)."""
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
 
@@ -41,10 +42,15 @@ class Tokenizer:
             raise TreeserveError(f"chat template: {message}")
 
         env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The model's chat template applied to `messages`, ready for the assistant's reply."""
+        if not self.chat_template:
+            raise TreeserveError("--chat: this model has no chat template")
         try:
-            template = env.from_string(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=True,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            return self._chat.render(messages=messages, add_generation_prompt=True,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except jinja2.TemplateError as error:
             raise TreeserveError(f"chat template could not be rendered: {error}") from None
 
