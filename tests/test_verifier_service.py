@@ -308,56 +308,6 @@ def test_a_stalled_drafter_does_not_price_the_rounds_verification(tmp_path, targ
     assert learnt and max(learnt) < timeout_s / 2
 
 
-def test_new_requests_wait_a_few_rounds_to_be_prefilled_together(target):
-    """With prefill_wait_rounds 3, requests that arrive while another decodes wait up to 3 rounds, then are
-    prefilled in one round together, unless they could fill the batch; tokens are the target's own."""
-    from treeserve.verifier import Generation
-
-    prompts = repetitive_prompts(4, seed=6)
-
-    async def main():
-        servicer = VerifierServicer("tiny", [], default_budget=8, default_max_new_tokens=16, max_batch=4,
-                                    prefill_wait_rounds=3)
-        scheduler = servicer.attach(target, build_verifier(target.model, 4, False, 0, block_size=4))
-        outboxes = {}
-
-        def submit(i):
-            generation = Generation(target.model, target.tokenizer, prompts[i], GenerationParams(max_new_tokens=12),
-                                    verifier=scheduler.verifier)
-            outboxes[i] = scheduler.submit(str(i), generation)
-
-        async def round_after(admitted: set[str]):
-            scheduler._admit()
-            assert set(scheduler.running) == admitted
-            await scheduler._round()
-
-        submit(0)
-        await round_after({"0"})  # nothing decodes: at once
-        submit(1)
-        await round_after({"0"})  # queued at round 1
-        submit(2)
-        await round_after({"0"})
-        await round_after({"0"})
-        await round_after({"0", "1", "2"})  # round 4: the first has waited 3 rounds, and the second joins too
-        prefills = scheduler.metrics.registry.get_sample_value("treeserve_round_seconds_count",
-                                                                {"phase": "round_with_prompts"})
-        assert prefills == 2  # the first request's, and one for the two that waited
-        submit(3)  # three decode, one place left: it fills the batch, so it joins at once
-        await round_after({"0", "1", "2", "3"})
-        while scheduler.running:
-            await round_after(set(scheduler.running))
-        tokens = {}
-        for i, outbox in outboxes.items():
-            tokens[i] = []
-            while not outbox.empty():
-                tokens[i].extend(outbox.get_nowait().token_ids)
-        return tokens
-
-    tokens = asyncio.run(main())
-    for i in range(4):
-        assert tokens[i] == expected(target, prompts[i], 12)
-
-
 def test_a_ready_service_serves_with_its_startup_objects_frozen(tmp_path):
     """`ready()` turns health SERVING, and the objects alive by then are out of the collector's reach: a full
     collection no longer walks the model, tokenizer and modules a process keeps for its life."""

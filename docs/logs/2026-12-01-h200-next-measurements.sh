@@ -8,6 +8,7 @@
 #   4. bf16: the n-gram stack in bfloat16, greedy, two turns (trees cost a tenth in bfloat16 GEMMs; outputs may
 #      part from plain decoding at near-ties), about 2 min.
 #   bash docs/logs/2026-12-01-h200-next-measurements.sh OUT   (from the repository root; treeserve on the PATH)
+# Ran at 0b5fde5; --prefill-wait-rounds, which step 1 varies, was removed after it (docs/benchmarks.md).
 set -u
 OUT=$1; mkdir -p "$OUT"
 stacks() { python3 -m treeserve.gateway.bench_stacks --device cuda "$@"; }

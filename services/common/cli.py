@@ -99,9 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--tp", type=int, default=1, help="the verifier's tensor-parallel ranks (default 1)")
     up.add_argument("--max-batch", type=int, default=64,
                     help="requests per verification round at most, and what the CUDA graphs cover (default 64)")
-    up.add_argument("--prefill-wait-rounds", type=int, default=0,
-                    help="the verifier's: while requests decode, new ones wait up to this many rounds to be "
-                         "prefilled together, unless they could fill the batch (default 0: at once)")
     up.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
                     help="replay the verifier's and the DFlash drafter's forwards from CUDA graphs: auto (on with "
                          "--device cuda), on, off (for debugging)")
@@ -342,8 +339,6 @@ def run_up_command(args) -> int:
     check_budget_tp_graphs(args)
     if args.max_batch < 1:
         raise TreeserveError(f"--max-batch must be at least 1, got {args.max_batch}")
-    if args.prefill_wait_rounds < 0:
-        raise TreeserveError(f"--prefill-wait-rounds must be 0 or more, got {args.prefill_wait_rounds}")
     args.drafter = resolved_drafter(args)
     if args.drafter == "model" and not args.drafter_path:
         raise TreeserveError("--drafter model needs --drafter-path")

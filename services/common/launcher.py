@@ -99,7 +99,7 @@ def start_stack(stack: Stack, args) -> str:
     common = ["--target", args.target, "--device", args.device, "--dtype", args.dtype, "--grace-s", str(args.grace_s),
               "--max-batch", str(args.max_batch), "--cuda-graphs", args.cuda_graphs]
     verifier_args = [*common, "--default-budget", str(args.budget), "--tp", str(args.tp),
-                     "--speculation", args.speculation, "--prefill-wait-rounds", str(args.prefill_wait_rounds)]
+                     "--speculation", args.speculation]
     if args.verifier_metrics:
         verifier_args += ["--metrics-listen", args.verifier_metrics]
     if args.drafter != "none":

@@ -88,8 +88,6 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--speculation", default="adaptive", choices=("fixed", "adaptive"), help="default adaptive")
-    p.add_argument("--prefill-wait-rounds", type=int, default=0,
-                   help="the verifier's (treeserve up --prefill-wait-rounds; default 0)")
     p.add_argument("--drafters", default=",".join(DRAFTERS),
                    help=f"comma-separated, of {', '.join(DRAFTERS)} (default all)")
     p.add_argument("--workloads", default="code,chat", help=f"comma-separated, of {', '.join(sorted(WORKLOADS))}")
@@ -121,8 +119,6 @@ def parse_args(argv: list[str] | None):
         p.error(str(error))
     if rates is not None and (not rates or min(rates) <= 0):
         p.error("--request-rate must be positive requests a second")
-    if args.prefill_wait_rounds < 0:
-        p.error("--prefill-wait-rounds must be 0 or more")
     return args
 
 
@@ -139,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
         runtime.mkdir(exist_ok=True)
         up = up_settings("--target", args.target, "--drafter", kind, "--tree", tree, "--budget", str(args.budget),
                          "--device", args.device, "--dtype", args.dtype, "--speculation", args.speculation,
-                         "--prefill-wait-rounds", str(args.prefill_wait_rounds),
                          "--verifier-metrics", f"127.0.0.1:{args.metrics_port}", "--grace-s", "2",
                          "--start-timeout-s", str(args.start_timeout_s))
         stack = Stack(runtime)

@@ -33,9 +33,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--default-budget", type=int, default=env("default_budget", "16"))
     p.add_argument("--default-max-new-tokens", type=int, default=env("default_max_new_tokens", "64"))
     p.add_argument("--max-batch", type=int, default=env("max_batch", "64"), help="requests per round at most")
-    p.add_argument("--prefill-wait-rounds", type=int, default=env("prefill_wait_rounds", "0"),
-                   help="while requests decode, new ones wait up to this many rounds to be prefilled together, "
-                        "unless they could fill the batch (default 0: at once)")
     p.add_argument("--kv-cache-tokens", type=int, default=env("kv_cache_tokens", "0"),
                    help="tokens the paged KV cache holds, over all requests (default 0: on a GPU, 90%% of the "
                         "memory free after room for the largest forward; on the CPU, 16384)")
@@ -67,8 +64,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--default-budget must be between 1 and {MAX_BUDGET}")
     if args.max_batch < 1 or args.default_max_new_tokens < 1:
         p.error("--max-batch and --default-max-new-tokens must be positive")
-    if args.prefill_wait_rounds < 0:
-        p.error("--prefill-wait-rounds must be 0 or more")
     if args.kv_cache_tokens < 0:
         p.error("--kv-cache-tokens must be 0 (sized from memory) or positive")
     if args.cuda_graphs == "on" and args.device != "cuda":
@@ -97,7 +92,7 @@ async def serve(args, shard=None, followers=()) -> None:
     tracing = telemetry.start_telemetry("verifier", metrics, args.metrics_listen)
     links = [DrafterLink(address, args.draft_timeout_s) for address in expand_drafter_addresses(args.drafter)]
     servicer = VerifierServicer(args.target, links, args.default_budget, args.default_max_new_tokens, args.max_batch,
-                                tracing, metrics, args.prefill_wait_rounds)
+                                tracing, metrics)
     service = await serving.start(args.listen, servicer.register)
     log.info("verifier listening on %s; loading %s", service.address, args.target)
     mirror = None if shard is None else Mirror(parallel.control_group())

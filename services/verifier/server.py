@@ -38,24 +38,16 @@ class Running:
     outbox: asyncio.Queue  # VerifierServiceGenerateResponse messages, or an Exception to end the stream with
     link: DrafterLink | None  # the drafter holding this request's context; None: no speculation
     span: trace.Span  # the request's span: its prefill and rounds are children
-    queued_round: int  # the scheduler's round count when it arrived
 
 
 class Scheduler:
     """Admits a request when it has a batch place and its whole KV (prompt + max_new_tokens + one tree) fits in
-    what the pool has not promised to the running ones, so a round never runs out of blocks.
-
-    A round that prefills a prompt holds every decoding request up for the prompt's pieces (on the H200, about 12 ms
-    more than a decoding round for a code prompt of SmolLM2), and prompts prefilled together share those forwards.
-    With `prefill_wait_rounds` N, while requests decode, new ones wait up to N rounds for company, unless they
-    could already fill the batch (as text-generation-inference's max_waiting_tokens does); 0 admits at once."""
+    what the pool has not promised to the running ones, so a round never runs out of blocks."""
 
     def __init__(self, target: LoadedModel, verifier: TreeVerifier, links: list[DrafterLink], max_batch: int,
                  tracing: Tracing | None = None, metrics: VerifierMetrics | None = None,
-                 adaptive: AdaptiveSpeculation | None = None, prefill_wait_rounds: int = 0):
+                 adaptive: AdaptiveSpeculation | None = None):
         self.target, self.verifier, self.links, self.max_batch = target, verifier, links, max_batch
-        self.prefill_wait_rounds = prefill_wait_rounds
-        self.rounds = 0  # rounds run so far
         # With `adaptive`, each round's tree budget is chosen for tokens per second (0: plain, no drafter call);
         # without, every request drafts its own budget.
         self.adaptive = adaptive
@@ -125,7 +117,7 @@ class Scheduler:
                                  f"max_new_tokens + budget), and this verifier holds {self.pool_tokens}")
         speculate = generation.budget > 0 and bool(self.links)
         link = min(self.links, key=self._load) if speculate else None
-        self.waiting[request_id] = Running(generation, asyncio.Queue(), link, span, self.rounds)
+        self.waiting[request_id] = Running(generation, asyncio.Queue(), link, span)
         self._update_gauges()
         self.wake.set()
         return self.waiting[request_id].outbox
@@ -188,23 +180,12 @@ class Scheduler:
                 self._fail(list(self.running), error)
 
     def _admit(self) -> None:
-        """Waiting requests join the batch, first come first served, while they have places and KV room, once
-        their admission is due."""
-        if not self.waiting or not self._admission_due():
-            return
+        """Waiting requests join the batch, first come first served, while they have places and KV room."""
         while self.waiting and len(self.running) < self.max_batch:
             request_id = next(iter(self.waiting))
             if not self.fits(self.waiting[request_id].generation):
                 break  # it waits for running requests to finish
             self.running[request_id] = self.waiting.pop(request_id)
-
-    def _admission_due(self) -> bool:
-        """Whether the waiting requests join this round: at once when nothing decodes, when they could fill the
-        batch, or when the oldest has waited prefill_wait_rounds rounds."""
-        if not self.running or len(self.running) + len(self.waiting) >= self.max_batch:
-            return True
-        oldest = next(iter(self.waiting.values()))  # arrival order
-        return self.rounds - oldest.queued_round >= self.prefill_wait_rounds
 
     def _fail(self, request_ids: list[str], error: Exception) -> None:
         """End these requests with `error` (their streams close with its status) and free what they hold."""
@@ -286,7 +267,6 @@ class Scheduler:
                 for request_id, entry in self.running.items()}
 
     async def _round(self) -> None:
-        self.rounds += 1
         started = time.perf_counter()
         self.round_expected = None
         spans = self._start_spans()
@@ -421,12 +401,10 @@ def final_message(generation: Generation) -> verifier_pb2.VerifierServiceGenerat
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     def __init__(self, name: str, links: list[DrafterLink], default_budget: int, default_max_new_tokens: int,
-                 max_batch: int, tracing: Tracing | None = None, metrics: VerifierMetrics | None = None,
-                 prefill_wait_rounds: int = 0):
+                 max_batch: int, tracing: Tracing | None = None, metrics: VerifierMetrics | None = None):
         self.name, self.links = name, links
         self.default_budget, self.default_max_new_tokens, self.max_batch = (
             default_budget, default_max_new_tokens, max_batch)
-        self.prefill_wait_rounds = prefill_wait_rounds  # the Scheduler's
         self.tracing = tracing or Tracing.off()
         self.metrics = metrics or VerifierMetrics()
         self.scheduler: Scheduler | None = None  # set once the model is loaded
@@ -443,7 +421,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         self.target = target
         verifier = verifier or build_verifier(target.model, self.max_batch)
         self.scheduler = Scheduler(target, verifier, self.links, self.max_batch, self.tracing, self.metrics,
-                                   adaptive, self.prefill_wait_rounds)
+                                   adaptive)
         return self.scheduler
 
     async def Generate(self, request, context):
