@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from random_targets import ENGINE_FAMILIES, RandomTreeDrafter, random_target, word_tokenizer
-from treeserve.models import KVCache, TreeAttention
+from treeserve.divergence import first_divergence
 from treeserve.models.paged_kv import PagedKVCache
 from treeserve.params import GenerationParams
 from treeserve.verifier import generate
 from treeserve.verifier.graphs import TreeVerifier
+from treeserve.verifier.near_ties import logit_gap
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -31,24 +32,14 @@ def oracle(prompt, reference):
     return lambda context: list(reference[len(context) - len(prompt):])
 
 
-def next_token_logits(model, ids: list[int]) -> torch.Tensor:
-    cache = KVCache(model.config, len(ids), model.dtype, model.device)
-    mask = torch.ones(len(ids), len(ids), dtype=torch.bool, device=model.device).tril()
-    with torch.inference_mode():
-        logits, _ = model(torch.tensor(ids, device=model.device), torch.arange(len(ids), device=model.device),
-                          TreeAttention(cache, mask))
-    return logits[-1].float()
-
-
 def assert_equal_or_near_tie(model, prompt, reference, output, tolerance):
     """Outputs agree up to the first difference, and there the two tokens' logits are within tolerance."""
-    same = next((i for i, (a, b) in enumerate(zip(reference, output)) if a != b), None)
+    same = first_divergence(reference, output)
     if same is None:
-        assert len(output) == len(reference)
         return
-    logits = next_token_logits(model, prompt + reference[:same])
-    gap = (logits[reference[same]] - logits[output[same]]).abs().item()
-    assert gap <= tolerance * max(1.0, logits.abs().max().item()), f"divergence at {same} with logit gap {gap}"
+    assert same < min(len(reference), len(output)), f"one output ended at {same} where the other went on"
+    gap = logit_gap(model, prompt + reference[:same], reference[same], output[same])
+    assert gap.near_tie(tolerance), f"divergence at {same} with logit gap {gap.gap}"
 
 
 @pytest.mark.parametrize("case", ENGINE_FAMILIES)

@@ -286,7 +286,7 @@ def generate_on_rank(args, shard) -> int:
     graphs = graphs_wanted(args.cuda_graphs, args.device)
     drafter = make_drafter(args, target, graphs)
     tokenizer = target.tokenizer
-    prompt_ids = tokenizer.encode_chat(prompt) if args.chat else tokenizer.encode(prompt)
+    prompt_ids = tokenizer.encode_prompt(prompt, args.chat)
     budget = args.budget if drafter is not None else 0
     mirror = None if shard is None else Mirror(parallel.control_group())
     try:

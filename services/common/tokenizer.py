@@ -54,6 +54,10 @@ class Tokenizer:
         except jinja2.TemplateError as error:
             raise TreeserveError(f"chat template could not be rendered: {error}") from None
 
+    def encode_prompt(self, text: str, chat: bool) -> list[int]:
+        """A request's prompt ids: as one user turn through the chat template, or the text as it is."""
+        return self.encode_chat(text) if chat else self.encode(text)
+
     def encode_chat(self, user_text: str) -> list[int]:
         # The template writes any BOS itself, so no special tokens are added on top.
         return self.encode(self.render_chat([{"role": "user", "content": user_text}]), add_special_tokens=False)

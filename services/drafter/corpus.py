@@ -62,7 +62,7 @@ def read_prompts(path: Path) -> list[dict]:
 
 def encode_prompts(tokenizer, records: Sequence[dict]) -> list[list[int]]:
     """Token ids of each record's prompt, through the chat template where the record says chat."""
-    return [tokenizer.encode_chat(r["prompt"]) if r.get("chat") else tokenizer.encode(r["prompt"]) for r in records]
+    return [tokenizer.encode_prompt(r["prompt"], bool(r.get("chat"))) for r in records]
 
 
 def excluded(relative: Path, patterns: list[str]) -> bool:

@@ -10,7 +10,8 @@ load a server sees from many independent users, where a closed loop slows its ar
 latency. Per run: output tokens per second (over the run's wall time; while all C were in flight,
 which leaves the final drain out; and the mean of each request's own rate), time to the first token and
 inter-token latency (p50/p99), the mean tokens per verification round, the verifier's mean round time by phase
-(with --verifier-metrics), and errors by gRPC status. The JSON goes to --out, and a PNG plot beside it (tokens
+(with --verifier-metrics), errors by gRPC status, and for greedy runs where each output that differs from the first
+plain run's parts from it (for python -m treeserve.verifier.near_ties). The JSON goes to --out, and a PNG plot beside it (tokens
 per second against concurrency; tokens per round against budget).
 
 One pair of runs resolves no difference below a few percent: on one H200, runs that did the same work read
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import grpc
 
+from treeserve.divergence import divergence
 from treeserve.errors import TreeserveError
 from treeserve.params import GenerationParams
 from treeserve.serving import normalize_address
@@ -269,8 +271,13 @@ def run_bench(args) -> dict:
             if level(row) not in plain_outputs:  # turn 0 runs plain first
                 plain_outputs[level(row)] = outputs
             else:  # lossless: the same tokens as plain decoding (sampled requests too: request i has seed i)
-                same = sum(a is not None and a == b for a, b in zip(outputs, plain_outputs[level(row)]))
+                first = plain_outputs[level(row)]
+                same = sum(a is not None and a == b for a, b in zip(outputs, first))
                 row["identical_to_plain"] = f"{same}/{len(outputs)}"
+                if params.temperature == 0:  # where greedy outputs part, for near_ties to check (bfloat16)
+                    row["divergences"] = [{"request": i, "prompt": i % len(prompts)} | found
+                                          for i, (a, b) in enumerate(zip(first, outputs))
+                                          if a is not None and b is not None and (found := divergence(a, b))]
             if before is not None:
                 after = round_totals(args.verifier_metrics)
                 row["round_ms"] = round_phase_means(before, after)

@@ -117,7 +117,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             budget = request.speculation.budget
             if not request.speculation.disabled and budget > info.max_budget:
                 raise TreeserveError(f"budget must be at most {info.max_budget}, got {budget}")
-            ids = self.tokenizer.encode_chat(request.prompt) if request.chat else self.tokenizer.encode(request.prompt)
+            ids = self.tokenizer.encode_prompt(request.prompt, request.chat)
             if len(ids) + params.max_new_tokens > info.max_context:
                 raise TreeserveError(f"prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
                                      f"exceeds the model's context of {info.max_context} tokens")

@@ -1,0 +1,131 @@
+"""python -m treeserve.verifier.near_ties: whether greedy outputs that part ways do so at near-ties of the target.
+
+In bfloat16 a forward rounds differently with its shapes (the batch, the tree, the GEMM kernel picked for them),
+so a speculative run's greedy output may part from plain decoding's, and one plain run's from another's. That is
+lossless only where the target hardly prefers one of the two tokens: at the first position where two outputs
+differ, the target alone (one request, eager, on the same device and dtype) must give the two tokens logits within
+`tolerance` times the largest logit's magnitude (at least 1) of each other. `treeserve bench` records, for greedy
+runs, each request's divergence from the first plain run at its load ("divergences"); this checks them.
+
+    python -m treeserve.verifier.near_ties BENCH.json [...] --target smollm2-135m --device cuda --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from treeserve.cli import OneLineErrorParser
+from treeserve.errors import TreeserveError
+from treeserve.loading import LoadedModel
+from treeserve.loading.hf_folder import read_json
+from treeserve.models import KVCache, TreeAttention
+
+NEAR_TIE = 2 ** -6  # bfloat16 keeps 8 bits of mantissa: a few roundings of a logit move it by about this much
+
+
+@torch.inference_mode()
+def next_token_logits(model, ids: list[int]) -> torch.Tensor:
+    """The target's logits for the token after `ids`, alone: one request, a contiguous cache, eager, float32 out."""
+    cache = KVCache(model.config, len(ids), model.dtype, model.device)
+    mask = torch.ones(len(ids), len(ids), dtype=torch.bool, device=model.device).tril()
+    logits, _ = model(torch.tensor(ids, device=model.device), torch.arange(len(ids), device=model.device),
+                      TreeAttention(cache, mask))
+    return logits[-1].float()
+
+
+@dataclasses.dataclass
+class Gap:
+    """Two tokens' logits after a context: how far apart, and the scale a tolerance is relative to."""
+
+    gap: float
+    scale: float  # the largest logit's magnitude, at least 1
+
+    def near_tie(self, tolerance: float = NEAR_TIE) -> bool:
+        return self.gap <= tolerance * self.scale
+
+
+def logit_gap(model, context: list[int], one: int, other: int) -> Gap:
+    logits = next_token_logits(model, context)
+    return Gap(abs(logits[one] - logits[other]).item(), max(1.0, logits.abs().max().item()))
+
+
+def check(report: dict, target: LoadedModel, tolerance: float = NEAR_TIE, prompts_file: Path | None = None) -> dict:
+    """Every divergence a bench report recorded, checked on `target`: counts, and each one that is not a near-tie
+    or could not be checked (an output that ended where the other went on), with its run and request."""
+    from treeserve.drafter.corpus import read_prompts
+
+    prompts = read_prompts(prompts_file or Path(report["prompts"]))
+    summary = {"tolerance": tolerance, "checked": 0, "near_ties": 0, "not_near_ties": [], "unchecked": []}
+    for row in report["runs"]:
+        for found in row.get("divergences", []):
+            where = {"mode": row["mode"], "turn": row["turn"], "concurrency": row.get("concurrency"),
+                     "request_rate": row.get("request_rate"), "request": found["request"], "at": found["at"]}
+            if found["first"] is None or found["other"] is None:
+                summary["unchecked"].append(where)
+                continue
+            prompt = prompts[found["prompt"]]
+            context = target.tokenizer.encode_prompt(prompt["prompt"], bool(prompt.get("chat"))) + found["shared"]
+            gap = logit_gap(target.model, context, found["first"], found["other"])
+            summary["checked"] += 1
+            if gap.near_tie(tolerance):
+                summary["near_ties"] += 1
+            else:
+                summary["not_near_ties"].append(where | {"gap": gap.gap, "scale": gap.scale})
+    return summary
+
+
+def parse_args(argv=None):
+    p = OneLineErrorParser(prog="python -m treeserve.verifier.near_ties",
+                           description="Check that greedy outputs recorded by treeserve bench part ways only at "
+                                       "near-ties of the target. Exits 1 unless every divergence is one.")
+    p.add_argument("reports", nargs="+", help="treeserve bench JSON files (greedy runs)")
+    p.add_argument("--target", default="smollm2-135m", help="the model the bench served (name, HF folder, .gguf)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the dtype the bench's verifier served in")
+    p.add_argument("--tolerance", type=float, default=NEAR_TIE,
+                   help="the largest logit gap of a near-tie, relative to the largest logit (default 2^-6)")
+    p.add_argument("--prompts", help="the bench's prompt file, where its report names one not found from here")
+    p.add_argument("--out", help="write the summaries here as JSON")
+    args = p.parse_args(argv)
+    if args.tolerance <= 0:
+        p.error("--tolerance must be positive")
+    return args
+
+
+def main(argv=None) -> int:
+    from treeserve.loading import load_target
+
+    args = parse_args(argv)
+    try:
+        reports = {path: read_json(Path(path)) for path in args.reports}
+        target = load_target(args.target, args.device, args.dtype)
+        summaries = {path: check(report, target, args.tolerance, Path(args.prompts) if args.prompts else None)
+                     for path, report in reports.items()}
+    except (TreeserveError, KeyError) as error:
+        print(f"near_ties: error: {error if isinstance(error, TreeserveError) else f'not a bench report: {error}'}",
+              file=sys.stderr)
+        return 1
+    clean = True
+    for path, summary in summaries.items():
+        bad, unchecked = summary["not_near_ties"], summary["unchecked"]
+        clean = clean and not bad and not unchecked
+        print(f"{path}: {summary['checked']} divergences checked, {summary['near_ties']} near-ties, {len(bad)} not, "
+              f"{len(unchecked)} unchecked (an output ended where the other went on)")
+        for where in bad:
+            print(f"  NOT a near-tie: {where}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": "python -m treeserve.verifier.near_ties "
+                       + shlex.join(sys.argv[1:] if argv is None else argv), "summaries": summaries}, f, indent=1)
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Divergences between greedy outputs, as `treeserve bench` records them, and their check against the target
+(`python -m treeserve.verifier.near_ties`): a near-tie passes, a clear preference fails, an output that ended
+where the other went on is reported unchecked, never passed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tiny_models
+from treeserve.divergence import divergence, first_divergence
+from treeserve.loading import load_target
+from treeserve.params import GenerationParams
+from treeserve.verifier import generate
+from treeserve.verifier.near_ties import check, logit_gap, main, next_token_logits
+
+PROMPT = "the cat sat on the mat"
+
+
+def test_divergence_is_the_first_position_that_differs():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None and divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert divergence([1, 2, 3], [1, 5, 3]) == {"at": 1, "shared": [1], "first": 2, "other": 5}
+    assert divergence([1, 2], [1, 2, 7]) == {"at": 2, "shared": [1, 2], "first": None, "other": 7}
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return str(tiny_models.write_hf_folder("qwen3", tmp_path_factory.mktemp("model"), seed=0))
+
+
+@pytest.fixture(scope="module")
+def case(model_path, tmp_path_factory):
+    """A bench report whose one run recorded three divergences of request 0 at its 4th token: to the target's
+    runner-up (a gap of `gap`), to its least likely token, and past the end of the first output."""
+    target = load_target(model_path)
+    prompt_ids = target.tokenizer.encode(PROMPT)
+    output = generate(target.model, target.tokenizer, prompt_ids,
+                      GenerationParams(max_new_tokens=8, ignore_eos=True)).token_ids
+    at = 3
+    logits = next_token_logits(target.model, prompt_ids + output[:at])
+    assert logits.argmax().item() == output[at]
+    runner_up, least = logits.topk(2).indices[1].item(), logits.argmin().item()
+    prompts = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
+    found = [divergence(output, output[:at] + [other]) for other in (runner_up, least)]
+    found.append(divergence(output[:at], output))
+    report = {"prompts": str(prompts), "runs": [
+        {"mode": "plain", "turn": 0, "concurrency": 4},
+        {"mode": "speculative", "turn": 0, "concurrency": 4, "divergences": [
+            {"request": 0, "prompt": 0} | entry for entry in found]}]}
+    gap = logit_gap(target.model, prompt_ids + output[:at], output[at], runner_up)
+    return target, report, gap
+
+
+def test_a_near_tie_passes_and_a_clear_preference_does_not(case):
+    target, report, gap = case
+    tolerance = 1.01 * gap.gap / gap.scale  # the runner-up just within it
+    summary = check(report, target, tolerance)
+    assert summary["checked"] == 2 and summary["near_ties"] == 1
+    [bad] = summary["not_near_ties"]
+    assert bad["request"] == 0 and bad["at"] == 3 and bad["gap"] > gap.gap
+    assert summary["unchecked"] == [{"mode": "speculative", "turn": 0, "concurrency": 4, "request_rate": None,
+                                     "request": 0, "at": 3}]
+    assert check(report, target, 0.99 * gap.gap / gap.scale)["near_ties"] == 0  # just outside: not one either
+
+
+def test_the_command_exits_nonzero_unless_every_divergence_is_a_near_tie(case, model_path, tmp_path, capsys):
+    target, report, gap = case
+    tolerance = str(1.01 * gap.gap / gap.scale)
+    mixed = tmp_path / "mixed.json"
+    mixed.write_text(json.dumps(report))
+    assert main([str(mixed), "--target", model_path, "--tolerance", tolerance, "--out", str(tmp_path / "s.json")]) == 1
+    assert "2 divergences checked, 1 near-ties, 1 not, 1 unchecked" in capsys.readouterr().out
+    assert json.loads((tmp_path / "s.json").read_text())["summaries"][str(mixed)]["near_ties"] == 1
+    report["runs"][1]["divergences"] = report["runs"][1]["divergences"][:1]  # the runner-up alone
+    clean = tmp_path / "clean.json"
+    clean.write_text(json.dumps(report))
+    assert main([str(clean), "--target", model_path, "--tolerance", tolerance]) == 0
+    assert main([str(tmp_path / "missing.json"), "--target", model_path]) == 1
+    assert "near_ties: error:" in capsys.readouterr().err
