@@ -8,7 +8,7 @@ figures of the n-gram code cells at a0d7659, 0eb6b8f and 0b5fde5): a plain round
 drafter's round trip, 0.72 ms, plus a verification of 2.75-3.10 ms by tree bucket (its host work included). Prompt
 rounds, the same for every policy, are left out. The real AdaptiveSpeculation is driven as the verifier drives it
 (choose, then observe_draft, observe_acceptance, observe_verify and observe_round), over three passes of the 16
-requests with its state kept, as a stack keeps it between a bench's turns.
+requests with its state kept, as a stack keeps it between a bench's turns; without and with PLAIN_AGING.
 
     python docs/logs/2026-12-01-adaptive-one-request-sim.py docs/figures/adaptive-one-request/ngram-code-16-prompts-trace.json
 """
@@ -93,9 +93,11 @@ def best_round(request, position, missed_for):  # knows each round's acceptance 
 
 
 report("clairvoyant (each round's best budget)", *replay(best_round))
-adaptive = AdaptiveSpeculation()
-for nodes, seconds in GRAPH_S.items():
-    adaptive.observe_graph(1, nodes, seconds)
-for turn in range(3):
-    report(f"adaptive speculation, pass {turn + 1}",
-           *replay(lambda request, position, missed_for: adaptive.choose({request: BUDGET}, 1), adaptive))
+for aging in (0.0, AdaptiveSpeculation.PLAIN_AGING):  # without and with a request's evidence ageing in plain rounds
+    adaptive = AdaptiveSpeculation()
+    adaptive.PLAIN_AGING = aging
+    for nodes, seconds in GRAPH_S.items():
+        adaptive.observe_graph(1, nodes, seconds)
+    for turn in range(3):
+        report(f"adaptive speculation, aging {aging}, pass {turn + 1}",
+               *replay(lambda request, position, missed_for: adaptive.choose({request: BUDGET}, 1), adaptive))
