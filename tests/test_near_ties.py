@@ -46,9 +46,9 @@ def case(model_path, tmp_path_factory):
     prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
     found = [divergence(output, output[:at] + [other]) for other in (runner_up, least)]
     found.append(divergence(output[:at], output))
-    report = {"prompts": str(prompts), "runs": [
+    report = {"prompts": str(prompts), "temperature": 0, "runs": [
         {"mode": "plain", "turn": 0, "concurrency": 4},
-        {"mode": "speculative", "turn": 0, "concurrency": 4, "divergences": [
+        {"mode": "speculative", "turn": 0, "concurrency": 4, "identical_to_plain": "0/1", "divergences": [
             {"request": 0, "prompt": 0} | entry for entry in found]}]}
     gap = logit_gap(target.model, prompt_ids + output[:at], output[at], runner_up)
     return target, report, gap
@@ -80,3 +80,10 @@ def test_the_command_exits_nonzero_unless_every_divergence_is_a_near_tie(case, m
     assert main([str(clean), "--target", model_path, "--tolerance", tolerance]) == 0
     assert main([str(tmp_path / "missing.json"), "--target", model_path]) == 1
     assert "near_ties: error:" in capsys.readouterr().err
+    # Nothing recorded is not a pass: a sampled run, or one made before the bench recorded divergences.
+    for change in ({"temperature": 0.7}, {"runs": [{k: v for k, v in row.items() if k != "divergences"}
+                                                   for row in report["runs"]]}):
+        unusable = tmp_path / "unusable.json"
+        unusable.write_text(json.dumps(report | change))
+        assert main([str(unusable), "--target", model_path]) == 1
+        assert "no recorded divergences" in capsys.readouterr().err

@@ -8,11 +8,11 @@ at most b + 1. The slope s is learnt per request as a ratio of decaying sums (to
 over log2(1 + b)), shrunk towards the same ratio over all requests: acceptance comes in bursts (a stretch that
 copies the prompt, then misses), and an average of per-round slopes swings with each burst where a ratio of sums
 does not. In plain rounds a request's own sums age (PLAIN_AGING), so that after a few misses it drifts back to the
-all-request slope and is tried again. Costs are learnt per (batch bucket, tree bucket) from the rounds themselves (the median of the last few).
-Plain rounds are measured first at each batch bucket: they are the yardstick. Until a tree bucket has a few, its
-cost is the nearest settled bucket's plus the difference between their CUDA graphs, timed at start-up; without
-graph timings it costs at most what the nearest smaller one measured, so a larger tree is tried before it is
-judged.
+all-request slope and is tried again. Costs are learnt per (batch bucket, tree bucket) from the rounds themselves
+(the median of the last few). Plain rounds are measured first at each batch bucket: they are the yardstick. Until
+a tree bucket has a few, its cost is the nearest settled bucket's plus the difference between their CUDA graphs,
+timed at start-up; without graph timings it costs at most what the nearest smaller one measured, so a larger tree
+is tried before it is judged.
 
 So the choice is one budget T for the round (0: plain decoding, no drafter call): each speculating request drafts
 min(T, its own budget), and
@@ -169,8 +169,8 @@ class AdaptiveSpeculation:
     # drafts on code: a stretch copied from the prompt accepts 10 tokens a round, most other rounds nothing), and
     # a request that has just missed a few times says little about the stretch it will be in a few rounds on.
     # Replayed on the one-request code cell's real acceptance with the H200's costs, a lone request's trees went
-    # from 1.18-1.20x plain decoding without it to 1.34-1.35x, and the 4-64 request replays did not move beyond
-    # their spread (docs/benchmarks.md, "One request, replayed").
+    # from 1.18-1.20x plain decoding without it to 1.33-1.35x, and the 4-64 request replays moved by 0-3 points
+    # either way (docs/benchmarks.md, "One request, replayed").
     PLAIN_AGING = 0.5
 
     def __init__(self, min_budget: int = 0, max_budget: int = MAX_BUDGET, prior_slope: float = 0.5,

@@ -60,10 +60,14 @@ def check(report: dict, target: LoadedModel, tolerance: float = NEAR_TIE, prompt
     or could not be checked (an output that ended where the other went on), with its run and request."""
     from treeserve.drafter.corpus import read_prompts
 
+    compared = [row for row in report["runs"] if "identical_to_plain" in row]
+    if report.get("temperature") != 0 or any("divergences" not in row for row in compared):
+        raise TreeserveError("the report holds no recorded divergences to check: not a greedy run, or made before "
+                             "treeserve bench recorded them")
     prompts = read_prompts(prompts_file or Path(report["prompts"]))
     summary = {"tolerance": tolerance, "checked": 0, "near_ties": 0, "not_near_ties": [], "unchecked": []}
-    for row in report["runs"]:
-        for found in row.get("divergences", []):
+    for row in compared:
+        for found in row["divergences"]:
             where = {"mode": row["mode"], "turn": row["turn"], "concurrency": row.get("concurrency"),
                      "request_rate": row.get("request_rate"), "request": found["request"], "at": found["at"]}
             if found["first"] is None or found["other"] is None:
