@@ -169,8 +169,8 @@ class AdaptiveSpeculation:
     # drafts on code: a stretch copied from the prompt accepts 10 tokens a round, most other rounds nothing), and
     # a request that has just missed a few times says little about the stretch it will be in a few rounds on.
     # Replayed on the one-request code cell's real acceptance with the H200's costs, a lone request's trees went
-    # from 1.18-1.20x plain decoding without it to 1.33-1.35x, and the 4-64 request replays moved by 0-3 points
-    # either way (docs/benchmarks.md, "One request, replayed").
+    # from 1.18-1.20x plain decoding without it to 1.33-1.35x, and the 4-64 request replays gained or held
+    # (docs/benchmarks.md, "One request, replayed").
     PLAIN_AGING = 0.5
 
     def __init__(self, min_budget: int = 0, max_budget: int = MAX_BUDGET, prior_slope: float = 0.5,
