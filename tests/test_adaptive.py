@@ -87,6 +87,26 @@ def test_failed_explorations_back_off():
     assert adaptive.choose({i: 16 for i in ids}, batch=2) == 16 and adaptive.explore_interval == 32
 
 
+def test_unmeasured_tree_sizes_are_tried_then_tries_back_off():
+    """Only plain rounds and 17-node trees measured, trees that never accept: each unmeasured size is tried (its
+    estimate borrows a smaller size's cost, and a request's misses age away in plain rounds) until it has its own
+    cost; then the tries back off as the explorations do."""
+    adaptive = AdaptiveSpeculation()
+    ids = ["a", "b"]
+    costs(adaptive, 2, {1: 5.0, 17: 5.5}, draft_ms=0.1)
+    accept(adaptive, ids, 16, 1)
+    gaps = []
+    for _ in range(12):
+        played = next(n for n in range(1, 5000) if adaptive.choose({i: 16 for i in ids}, batch=2) > 0)
+        chosen = adaptive.last_choice
+        adaptive.observe_verify(2, chosen + 1, 0.0055)  # what the try cost: as much as a 17-node tree
+        adaptive.observe_draft(2, chosen, 0.0001)
+        accept(adaptive, ids, chosen, 1, rounds=1)  # and it accepted nothing
+        gaps.append(played)
+    assert all(gap < adaptive.explore_every for gap in gaps[:6])  # two sizes, each until settled (three samples)
+    assert gaps[-5:] == [64, 128, 256, 512, 1024]
+
+
 def test_a_dear_try_waits_until_it_is_a_small_share_of_the_time():
     """A DFlash try at 64 requests on the H200: the drafter catches up every request's features, 250 ms against
     11 ms plain rounds. It comes once the plain rounds since the last one have taken 1 / EXPLORE_SHARE times

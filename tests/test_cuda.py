@@ -20,7 +20,7 @@ from treeserve.models.paged_kv import PagedKVCache
 from treeserve.params import GenerationParams
 from treeserve.verifier import generate
 from treeserve.verifier.graphs import TreeVerifier
-from treeserve.verifier.near_ties import logit_gap
+from treeserve.verifier.near_ties import NEAR_TIE, logit_gap
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -67,7 +67,7 @@ def test_greedy_speculation_on_cuda(case, dtype, kv):
             if dtype == torch.float32:
                 assert output == reference, f"{case} budget {budget}"
             else:
-                assert_equal_or_near_tie(model, prompt, reference, output, tolerance=2 ** -6)
+                assert_equal_or_near_tie(model, prompt, reference, output, tolerance=NEAR_TIE)
 
 
 REAL_GGUF = os.environ.get("TREESERVE_SMOLLM2_GGUF")
@@ -96,4 +96,4 @@ def test_real_model_with_graphs_on_cuda(dtype, drafter_kind):
         if dtype == "float32":
             assert result.token_ids == reference
         else:
-            assert_equal_or_near_tie(target.model, prompt, reference, result.token_ids, tolerance=2 ** -6)
+            assert_equal_or_near_tie(target.model, prompt, reference, result.token_ids, tolerance=NEAR_TIE)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import pickle
 import random
 import shutil
 
@@ -354,6 +355,17 @@ def test_chat_template_renders(fmt, loaded):
     ids = tokenizer.encode_chat("Hi!")
     reply_header = tokenizer.encode("<|im_start|>assistant\n")
     assert ids[0] == 1 and ids.count(2) == 1 and ids[-len(reply_header):] == reply_header
+
+
+def test_the_chat_template_is_compiled_once_and_the_tokenizer_still_pickles(loaded):
+    tokenizer = loaded("qwen3", "hf").tokenizer
+    ids = tokenizer.encode_chat("Hi!")
+    compiled = tokenizer.__dict__["_chat"]  # kept after the first render...
+    assert tokenizer.encode_chat("Hi!") == ids and tokenizer.__dict__["_chat"] is compiled  # ...and used again
+    again = pickle.loads(pickle.dumps(tokenizer))  # without the compiled template, which is made anew
+    assert "_chat" not in again.__dict__ and again.encode_chat("Hi!") == ids
+    with pytest.raises(dataclasses.FrozenInstanceError):  # so the compiled template cannot outlive its source
+        tokenizer.chat_template = "{{ messages }}"
 
 
 def test_a_broken_chat_template_is_a_clear_error(loaded):

@@ -1,6 +1,7 @@
 """Divergences between greedy outputs, as `treeserve bench` records them, and their check against the target
-(`python -m treeserve.verifier.near_ties`): a near-tie passes, a clear preference fails, an output that ended
-where the other went on is reported unchecked, never passed."""
+(`python -m treeserve.verifier.near_ties`): a near-tie of the target's top tokens passes, a clear preference fails
+(also between two tokens below the top), an output that ended where the other went on or a request that failed is
+reported unchecked, never passed."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from treeserve.verifier import generate
 from treeserve.verifier.near_ties import check, logit_gap, main, next_token_logits
 
 PROMPT = "the cat sat on the mat"
+CPU = ("--device", "cpu", "--dtype", "float32")
 
 
 def test_divergence_is_the_first_position_that_differs():
@@ -51,11 +53,11 @@ def case(model_path, tmp_path_factory):
         {"mode": "speculative", "turn": 0, "concurrency": 4, "identical_to_plain": "0/1", "divergences": [
             {"request": 0, "prompt": 0} | entry for entry in found]}]}
     gap = logit_gap(target.model, prompt_ids + output[:at], output[at], runner_up)
-    return target, report, gap
+    return target, report, gap, logits
 
 
 def test_a_near_tie_passes_and_a_clear_preference_does_not(case):
-    target, report, gap = case
+    target, report, gap, _ = case
     tolerance = 1.01 * gap.gap / gap.scale  # the runner-up just within it
     summary = check(report, target, tolerance)
     assert summary["checked"] == 2 and summary["near_ties"] == 1
@@ -67,23 +69,47 @@ def test_a_near_tie_passes_and_a_clear_preference_does_not(case):
 
 
 def test_the_command_exits_nonzero_unless_every_divergence_is_a_near_tie(case, model_path, tmp_path, capsys):
-    target, report, gap = case
+    target, report, gap, _ = case
     tolerance = str(1.01 * gap.gap / gap.scale)
     mixed = tmp_path / "mixed.json"
     mixed.write_text(json.dumps(report))
-    assert main([str(mixed), "--target", model_path, "--tolerance", tolerance, "--out", str(tmp_path / "s.json")]) == 1
+    assert main([str(mixed), "--target", model_path, "--device", "cpu", "--dtype", "float32",
+                 "--tolerance", tolerance, "--out", str(tmp_path / "s.json")]) == 1
     assert "2 divergences checked, 1 near-ties, 1 not, 1 unchecked" in capsys.readouterr().out
     assert json.loads((tmp_path / "s.json").read_text())["summaries"][str(mixed)]["near_ties"] == 1
     report["runs"][1]["divergences"] = report["runs"][1]["divergences"][:1]  # the runner-up alone
     clean = tmp_path / "clean.json"
     clean.write_text(json.dumps(report))
-    assert main([str(clean), "--target", model_path, "--tolerance", tolerance]) == 0
-    assert main([str(tmp_path / "missing.json"), "--target", model_path]) == 1
+    assert main([str(clean), "--target", model_path, *CPU, "--tolerance", tolerance]) == 0
+    assert main([str(tmp_path / "missing.json"), "--target", model_path, *CPU]) == 1
     assert "near_ties: error:" in capsys.readouterr().err
     # Nothing recorded is not a pass: a sampled run, or one made before the bench recorded divergences.
     for change in ({"temperature": 0.7}, {"runs": [{k: v for k, v in row.items() if k != "divergences"}
                                                    for row in report["runs"]]}):
         unusable = tmp_path / "unusable.json"
         unusable.write_text(json.dumps(report | change))
-        assert main([str(unusable), "--target", model_path]) == 1
+        assert main([str(unusable), "--target", model_path, *CPU]) == 1
         assert "no recorded divergences" in capsys.readouterr().err
+
+
+def test_two_tokens_below_the_top_are_no_near_tie_however_close(case):
+    """The target's second and third choices may be close to each other; outputs parting between them still went
+    past what the target clearly prefers."""
+    target, report, _, logits = case
+    found = report["runs"][1]["divergences"][0]
+    second, third = logits.topk(3).indices[1:].tolist()
+    apart = (logits[second] - logits[third]).abs().item()
+    below = (logits.max() - logits[third]).item()
+    assert below > apart
+    context = target.tokenizer.encode(PROMPT) + found["shared"]
+    gap = logit_gap(target.model, context, second, third)
+    assert gap.gap == pytest.approx(below, rel=1e-5)
+    assert not gap.near_tie(1.01 * apart / gap.scale)
+
+
+def test_failed_requests_are_unchecked_not_passed(case):
+    target, report, gap, _ = case
+    row = dict(report["runs"][1], identical_to_plain="0/5",  # five requests, the one divergence recorded: four failed
+               divergences=report["runs"][1]["divergences"][:1])
+    summary = check(report | {"runs": [report["runs"][0], row]}, target, 1.01 * gap.gap / gap.scale)
+    assert summary["near_ties"] == 1 and summary["unchecked"][0]["failed_requests"] == 4

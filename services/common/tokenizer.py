@@ -12,7 +12,12 @@ import tokenizers
 from treeserve.errors import TreeserveError
 
 
-@dataclasses.dataclass
+def _refuse(message):
+    """A chat template's raise_exception(): the template refuses these messages."""
+    raise TreeserveError(f"chat template: {message}")
+
+
+@dataclasses.dataclass(frozen=True)  # frozen: the compiled chat template (_chat) never outlives its source
 class Tokenizer:
     backend: tokenizers.Tokenizer
     eos_ids: frozenset[int]
@@ -37,12 +42,12 @@ class Tokenizer:
         event loop (SmolLM2's template, on the CPU machine)."""
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-
-        def raise_exception(message):
-            raise TreeserveError(f"chat template: {message}")
-
-        env.globals["raise_exception"] = raise_exception
+        env.globals["raise_exception"] = _refuse
         return env.from_string(self.chat_template)
+
+    def __getstate__(self) -> dict:
+        """Pickled without the compiled chat template (compiled again where it is first used)."""
+        return {name: value for name, value in self.__dict__.items() if name != "_chat"}
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The model's chat template applied to `messages`, ready for the assistant's reply."""

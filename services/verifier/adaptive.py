@@ -7,8 +7,8 @@ that grow about logarithmically with the tree (each doubling of a best-first tre
 at most b + 1. The slope s is learnt per request as a ratio of decaying sums (tokens accepted beyond the bonus one,
 over log2(1 + b)), shrunk towards the same ratio over all requests: acceptance comes in bursts (a stretch that
 copies the prompt, then misses), and an average of per-round slopes swings with each burst where a ratio of sums
-does not. In plain rounds a request's own sums age (PLAIN_AGING), so that after a few misses it drifts back to the
-all-request slope and is tried again. Costs are learnt per (batch bucket, tree bucket) from the rounds themselves
+does not. In plain rounds a request's own sums age (PLAIN_AGING), so that a few misses are forgotten by the next
+time a plain decision is worked out, and the request is judged by the all-request slope again. Costs are learnt per (batch bucket, tree bucket) from the rounds themselves
 (the median of the last few). Plain rounds are measured first at each batch bucket: they are the yardstick. Until
 a tree bucket has a few, its cost is the nearest settled bucket's plus the difference between their CUDA graphs,
 timed at start-up; without graph timings it costs at most what the nearest smaller one measured, so a larger tree
@@ -164,10 +164,11 @@ class AdaptiveSpeculation:
     # also costs what no estimate here holds (the drafter's catch-up, trees in rounds with prompts). Near break-even
     # speculating risks that and gains nothing; at one request the gains chosen were 50-90 %.
     MARGIN = 1.05
-    # In each plain round, a speculating request's own acceptance evidence counts this much less, so that its
-    # slope drifts back to the all-request one until a tree is tried again. Acceptance comes in runs (n-gram
-    # drafts on code: a stretch copied from the prompt accepts 10 tokens a round, most other rounds nothing), and
-    # a request that has just missed a few times says little about the stretch it will be in a few rounds on.
+    # In each plain round, a speculating request's own acceptance evidence counts this much less: by the time a
+    # plain decision is worked out again (REUSE_PLAIN rounds on), a request that has just missed is back at about
+    # the all-request slope, and is tried again where that pays. Acceptance comes in runs (n-gram drafts on code:
+    # a stretch copied from the prompt accepts 10 tokens a round, most other rounds nothing), and a request that
+    # has just missed a few times says little about the stretch it will be in a few rounds on.
     # Replayed on the one-request code cell's real acceptance with the H200's costs, a lone request's trees went
     # from 1.18-1.20x plain decoding without it to 1.33-1.35x, and the 4-64 request replays gained or held
     # (docs/benchmarks.md, "One request, replayed").

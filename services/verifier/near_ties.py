@@ -2,10 +2,11 @@
 
 In bfloat16 a forward rounds differently with its shapes (the batch, the tree, the GEMM kernel picked for them),
 so a speculative run's greedy output may part from plain decoding's, and one plain run's from another's. That is
-lossless only where the target hardly prefers one of the two tokens: at the first position where two outputs
-differ, the target alone (one request, eager, on the same device and dtype) must give the two tokens logits within
-`tolerance` times the largest logit's magnitude (at least 1) of each other. `treeserve bench` records, for greedy
-runs, each request's divergence from the first plain run at its load ("divergences"); this checks them.
+lossless only where the two tokens are the target's top choices and hardly apart: at the first position where two
+outputs differ, the target alone (one request, eager, on the same device and dtype) must give each of the two tokens
+a logit within `tolerance` times the largest logit's magnitude (at least 1) of the largest. `treeserve bench`
+records, for greedy runs, each request's divergence from the first plain run at its load ("divergences"); this
+checks them.
 
     python -m treeserve.verifier.near_ties BENCH.json [...] --target smollm2-135m --device cuda --dtype bfloat16
 """
@@ -41,7 +42,8 @@ def next_token_logits(model, ids: list[int]) -> torch.Tensor:
 
 @dataclasses.dataclass
 class Gap:
-    """Two tokens' logits after a context: how far apart, and the scale a tolerance is relative to."""
+    """Two tokens' logits after a context: how far the lower of them is below the largest logit, and the scale a
+    tolerance is relative to."""
 
     gap: float
     scale: float  # the largest logit's magnitude, at least 1
@@ -52,24 +54,44 @@ class Gap:
 
 def logit_gap(model, context: list[int], one: int, other: int) -> Gap:
     logits = next_token_logits(model, context)
-    return Gap(abs(logits[one] - logits[other]).item(), max(1.0, logits.abs().max().item()))
+    top = logits.max()
+    return Gap((top - torch.minimum(logits[one], logits[other])).item(), max(1.0, logits.abs().max().item()))
+
+
+def usable(report: dict, prompts_file: Path | None = None) -> list[dict]:
+    """The report's prompts, once it is known to hold greedy runs with their divergences recorded."""
+    from treeserve.drafter.corpus import read_prompts
+
+    if not isinstance(report, dict) or not {"runs", "prompts", "temperature"} <= report.keys():
+        raise TreeserveError("not a treeserve bench report (no runs, prompts or temperature)")
+    compared = [row for row in report["runs"] if "identical_to_plain" in row]
+    if report["temperature"] != 0 or any("divergences" not in row for row in compared):
+        raise TreeserveError("the report holds no recorded divergences to check: not a greedy run, or made before "
+                             "treeserve bench recorded them")
+    prompts = read_prompts(prompts_file or Path(report["prompts"]))
+    wanted = max((found["prompt"] for row in compared for found in row["divergences"]), default=-1)
+    if wanted >= len(prompts):
+        raise TreeserveError(f"the report's divergences name prompt {wanted}, and the prompt file holds "
+                             f"{len(prompts)}: not the bench's prompt file")
+    return prompts
 
 
 def check(report: dict, target: LoadedModel, tolerance: float = NEAR_TIE, prompts_file: Path | None = None) -> dict:
     """Every divergence a bench report recorded, checked on `target`: counts, and each one that is not a near-tie
-    or could not be checked (an output that ended where the other went on), with its run and request."""
-    from treeserve.drafter.corpus import read_prompts
-
-    compared = [row for row in report["runs"] if "identical_to_plain" in row]
-    if report.get("temperature") != 0 or any("divergences" not in row for row in compared):
-        raise TreeserveError("the report holds no recorded divergences to check: not a greedy run, or made before "
-                             "treeserve bench recorded them")
-    prompts = read_prompts(prompts_file or Path(report["prompts"]))
+    or could not be checked (an output that ended where the other went on, or a request that failed in one of the
+    runs, which identical_to_plain counts and no divergence records), with its run."""
+    prompts = usable(report, prompts_file)
     summary = {"tolerance": tolerance, "checked": 0, "near_ties": 0, "not_near_ties": [], "unchecked": []}
-    for row in compared:
+    for row in report["runs"]:
+        if "identical_to_plain" not in row:
+            continue
+        run = {"mode": row["mode"], "turn": row["turn"], "concurrency": row.get("concurrency"),
+               "request_rate": row.get("request_rate")}
+        identical, requests = map(int, row["identical_to_plain"].split("/"))
+        if identical + len(row["divergences"]) < requests:
+            summary["unchecked"].append(run | {"failed_requests": requests - identical - len(row["divergences"])})
         for found in row["divergences"]:
-            where = {"mode": row["mode"], "turn": row["turn"], "concurrency": row.get("concurrency"),
-                     "request_rate": row.get("request_rate"), "request": found["request"], "at": found["at"]}
+            where = run | {"request": found["request"], "at": found["at"]}
             if found["first"] is None or found["other"] is None:
                 summary["unchecked"].append(where)
                 continue
@@ -90,8 +112,8 @@ def parse_args(argv=None):
                                        "near-ties of the target. Exits 1 unless every divergence is one.")
     p.add_argument("reports", nargs="+", help="treeserve bench JSON files (greedy runs)")
     p.add_argument("--target", default="smollm2-135m", help="the model the bench served (name, HF folder, .gguf)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+    p.add_argument("--device", required=True, choices=("cpu", "cuda"), help="the device the bench's verifier ran on")
+    p.add_argument("--dtype", required=True, choices=("float32", "bfloat16"),
                    help="the dtype the bench's verifier served in")
     p.add_argument("--tolerance", type=float, default=NEAR_TIE,
                    help="the largest logit gap of a near-tie, relative to the largest logit (default 2^-6)")
@@ -107,21 +129,25 @@ def main(argv=None) -> int:
     from treeserve.loading import load_target
 
     args = parse_args(argv)
+    prompts_file = Path(args.prompts) if args.prompts else None
     try:
         reports = {path: read_json(Path(path)) for path in args.reports}
+        for path, report in reports.items():  # every report usable before the model loads
+            try:
+                usable(report, prompts_file)
+            except TreeserveError as error:
+                raise TreeserveError(f"{path}: {error}") from None
         target = load_target(args.target, args.device, args.dtype)
-        summaries = {path: check(report, target, args.tolerance, Path(args.prompts) if args.prompts else None)
-                     for path, report in reports.items()}
-    except (TreeserveError, KeyError) as error:
-        print(f"near_ties: error: {error if isinstance(error, TreeserveError) else f'not a bench report: {error}'}",
-              file=sys.stderr)
+        summaries = {path: check(report, target, args.tolerance, prompts_file) for path, report in reports.items()}
+    except TreeserveError as error:
+        print(f"near_ties: error: {error}", file=sys.stderr)
         return 1
     clean = True
     for path, summary in summaries.items():
         bad, unchecked = summary["not_near_ties"], summary["unchecked"]
         clean = clean and not bad and not unchecked
         print(f"{path}: {summary['checked']} divergences checked, {summary['near_ties']} near-ties, {len(bad)} not, "
-              f"{len(unchecked)} unchecked (an output ended where the other went on)")
+              f"{len(unchecked)} unchecked (an output that ended where the other went on, or failed requests)")
         for where in bad:
             print(f"  NOT a near-tie: {where}")
     if args.out:
