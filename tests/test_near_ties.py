@@ -14,7 +14,7 @@ from treeserve.divergence import divergence, first_divergence
 from treeserve.loading import load_target
 from treeserve.params import GenerationParams
 from treeserve.verifier import generate
-from treeserve.verifier.near_ties import check, logit_gap, main, next_token_logits
+from treeserve.verifier.near_ties import check, logit_gap, main, next_token_logits, usable
 
 PROMPT = "the cat sat on the mat"
 CPU = ("--device", "cpu", "--dtype", "float32")
@@ -59,13 +59,14 @@ def case(model_path, tmp_path_factory):
 def test_a_near_tie_passes_and_a_clear_preference_does_not(case):
     target, report, gap, _ = case
     tolerance = 1.01 * gap.gap / gap.scale  # the runner-up just within it
-    summary = check(report, target, tolerance)
+    summary = check(report, usable(report), target, tolerance)
     assert summary["checked"] == 2 and summary["near_ties"] == 1
     [bad] = summary["not_near_ties"]
     assert bad["request"] == 0 and bad["at"] == 3 and bad["gap"] > gap.gap
     assert summary["unchecked"] == [{"mode": "speculative", "turn": 0, "concurrency": 4, "request_rate": None,
                                      "request": 0, "at": 3}]
-    assert check(report, target, 0.99 * gap.gap / gap.scale)["near_ties"] == 0  # just outside: not one either
+    just_outside = 0.99 * gap.gap / gap.scale  # not a near-tie either
+    assert check(report, usable(report), target, just_outside)["near_ties"] == 0
 
 
 def test_the_command_exits_nonzero_unless_every_divergence_is_a_near_tie(case, model_path, tmp_path, capsys):
@@ -111,5 +112,6 @@ def test_failed_requests_are_unchecked_not_passed(case):
     target, report, gap, _ = case
     row = dict(report["runs"][1], identical_to_plain="0/5",  # five requests, the one divergence recorded: four failed
                divergences=report["runs"][1]["divergences"][:1])
-    summary = check(report | {"runs": [report["runs"][0], row]}, target, 1.01 * gap.gap / gap.scale)
+    edited = report | {"runs": [report["runs"][0], row]}
+    summary = check(edited, usable(edited), target, 1.01 * gap.gap / gap.scale)
     assert summary["near_ties"] == 1 and summary["unchecked"][0]["failed_requests"] == 4

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from random_targets import RandomTreeDrafter, random_target, word_tokenizer
-from treeserve.models import KVCache, TreeAttention
 from treeserve.params import GenerationParams
 from treeserve.sampling import counter_uniforms, pick_tokens, target_probs
 from treeserve.verifier import engine, generate
 from treeserve.verifier.acceptance import walk_tree
+from treeserve.verifier.near_ties import next_token_logits
 from treeserve.verifier.rows import Rows
 
 VOCAB = 6
@@ -48,14 +48,6 @@ def naive_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
             mass += p[t] / allowed_mass
     q = np.array([p[t] if t in nucleus else 0.0 for t in range(len(p))])
     return q / q.sum()
-
-
-def next_token_logits(model, ids: list[int]) -> torch.Tensor:
-    cache = KVCache(model.config, len(ids), model.dtype, "cpu")
-    mask = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()
-    with torch.inference_mode():
-        logits, _ = model(torch.tensor(ids), torch.arange(len(ids)), TreeAttention(cache, mask))
-    return logits[-1]
 
 
 def exact_joint(model, params: GenerationParams, length: int) -> np.ndarray:

@@ -8,11 +8,11 @@ at most b + 1. The slope s is learnt per request as a ratio of decaying sums (to
 over log2(1 + b)), shrunk towards the same ratio over all requests: acceptance comes in bursts (a stretch that
 copies the prompt, then misses), and an average of per-round slopes swings with each burst where a ratio of sums
 does not. In plain rounds a request's own sums age (PLAIN_AGING), so that a few misses are forgotten by the next
-time a plain decision is worked out, and the request is judged by the all-request slope again. Costs are learnt per (batch bucket, tree bucket) from the rounds themselves
-(the median of the last few). Plain rounds are measured first at each batch bucket: they are the yardstick. Until
-a tree bucket has a few, its cost is the nearest settled bucket's plus the difference between their CUDA graphs,
-timed at start-up; without graph timings it costs at most what the nearest smaller one measured, so a larger tree
-is tried before it is judged.
+time a plain decision is worked out, and the request is judged by the all-request slope again. Costs are learnt
+per (batch bucket, tree bucket) from the rounds themselves (the median of the last few). Plain rounds are measured
+first at each batch bucket: they are the yardstick. Until a tree bucket has a few, its cost is the nearest settled
+bucket's plus the difference between their CUDA graphs, timed at start-up; without graph timings it costs at most
+what the nearest smaller one measured, so a larger tree is tried before it is judged.
 
 So the choice is one budget T for the round (0: plain decoding, no drafter call): each speculating request drafts
 min(T, its own budget), and

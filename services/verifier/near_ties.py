@@ -76,11 +76,11 @@ def usable(report: dict, prompts_file: Path | None = None) -> list[dict]:
     return prompts
 
 
-def check(report: dict, target: LoadedModel, tolerance: float = NEAR_TIE, prompts_file: Path | None = None) -> dict:
-    """Every divergence a bench report recorded, checked on `target`: counts, and each one that is not a near-tie
-    or could not be checked (an output that ended where the other went on, or a request that failed in one of the
-    runs, which identical_to_plain counts and no divergence records), with its run."""
-    prompts = usable(report, prompts_file)
+def check(report: dict, prompts: list[dict], target: LoadedModel, tolerance: float = NEAR_TIE) -> dict:
+    """Every divergence a bench report recorded, checked on `target` (`prompts`: the report's, from `usable`):
+    counts, and each one that is not a near-tie or could not be checked (an output that ended where the other went
+    on, or a request that failed in one of the runs, which identical_to_plain counts and no divergence records),
+    with its run."""
     summary = {"tolerance": tolerance, "checked": 0, "near_ties": 0, "not_near_ties": [], "unchecked": []}
     for row in report["runs"]:
         if "identical_to_plain" not in row:
@@ -132,13 +132,14 @@ def main(argv=None) -> int:
     prompts_file = Path(args.prompts) if args.prompts else None
     try:
         reports = {path: read_json(Path(path)) for path in args.reports}
+        prompts = {}
         for path, report in reports.items():  # every report usable before the model loads
             try:
-                usable(report, prompts_file)
+                prompts[path] = usable(report, prompts_file)
             except TreeserveError as error:
                 raise TreeserveError(f"{path}: {error}") from None
         target = load_target(args.target, args.device, args.dtype)
-        summaries = {path: check(report, target, args.tolerance, prompts_file) for path, report in reports.items()}
+        summaries = {path: check(report, prompts[path], target, args.tolerance) for path, report in reports.items()}
     except TreeserveError as error:
         print(f"near_ties: error: {error}", file=sys.stderr)
         return 1
