@@ -179,7 +179,12 @@ def multiprocessors(device: torch.device) -> int:
 # query rows per program (tree rows x grouped heads), keys per tile, warps, pipeline stages, and how many
 # programs per streaming multiprocessor the key-range splits aim for. Run the sweep on another GPU and set the
 # best here.
-TUNING = {"query_rows": 64, "block_n": 32, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2}
+# The combine kernel's warps follow its work: about `combine_values_per_thread` split partials per thread (each
+# program merges padded splits x grouped heads x head_dim of them), 1 to 4 warps. On the H200 (8B shape, one
+# request, context 1k) a 65-row tree's combine (6 splits) ran best at 1 warp: its verification took 5.80-5.96 ms
+# against 6.10-6.15 at 4 warps in the same process, while one row's (32 splits) ran best at 2-4 (docs/benchmarks.md).
+TUNING = {"query_rows": 64, "block_n": 32, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2,
+          "combine_values_per_thread": 128}
 
 
 def default_splits(programs: int, device: torch.device) -> int:
@@ -201,6 +206,12 @@ def launch_shape(batch: int, rows: int, heads: int, kv_heads: int, device: torch
 def padded_splits(splits: int) -> int:
     """The combine kernel's split tile (a constexpr: each value is a compiled variant)."""
     return max(2, triton.next_power_of_2(splits))
+
+
+def combine_warps(splits: int, padded_group: int, padded_dim: int) -> int:
+    """The combine kernel's warps for this split count (one per split tile, so warm-up's variants cover them)."""
+    values = padded_splits(splits) * padded_group * padded_dim
+    return max(1, min(4, triton.next_power_of_2(triton.cdiv(values, 32 * TUNING["combine_values_per_thread"]))))
 
 
 def compiled_variant(batch: int, rows: int, heads: int, kv_heads: int, device: torch.device) -> tuple[int, int]:
@@ -279,5 +290,6 @@ def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bl
         _combine_splits_kernel[(batch, rows, kv_heads)](
             part_acc, part_stat, out, sizes, *part_acc.stride()[:4], *part_stat.stride()[:4],
             out.stride(0), out.stride(1), out.stride(2), splits, GROUP=group, PADDED_GROUP=padded_group,
-            PADDED_SPLITS=padded_splits(splits), HEAD_DIM=head_dim, PADDED_DIM=padded_dim)
+            PADDED_SPLITS=padded_splits(splits), HEAD_DIM=head_dim, PADDED_DIM=padded_dim,
+            num_warps=combine_warps(splits, padded_group, padded_dim))
     return out

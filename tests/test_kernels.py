@@ -116,6 +116,22 @@ def test_warm_up_launches_every_variant_a_prefill_can_meet(monkeypatch, multipro
     assert met <= warmed, f"never warmed up: {sorted(met - warmed)}"
 
 
+def test_the_combine_kernel_takes_warps_by_its_work():
+    """About TUNING["combine_values_per_thread"] split partials a thread: on the 8B shape (32 query heads over 8,
+    head_dim 128, an H200's 132 multiprocessors) one row's 32 splits take 4 warps, a 65-row tree's 6 splits one;
+    and the warps follow the split tile alone, so the variants warm-up compiles cover them."""
+    from treeserve.kernels import tree_attention as module
+
+    device = torch.device(DEVICE)
+    for rows, want in ((1, 4), (65, 1)):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(module, "multiprocessors", lambda device: 132)
+            _, _, splits = module.launch_shape(1, rows, 32, 8, device)
+        assert module.combine_warps(splits, 4, 128) == want
+    for splits in range(2, 33):
+        assert module.combine_warps(splits, 4, 128) == module.combine_warps(module.padded_splits(splits), 4, 128)
+
+
 @pytest.mark.parametrize("attend", [tree_attention, tree_attention_reference], ids=["kernel", "reference"])
 def test_causal_mode_equals_an_explicit_lower_triangular_mask(attend):
     """A prefill passes no mask: each new row sees the prefix and the new rows up to itself."""
