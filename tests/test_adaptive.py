@@ -161,6 +161,18 @@ def test_new_requests_decode_plainly_where_drafting_has_stopped_paying():
     assert adaptive.drafting_kept(64) is None
 
 
+def test_a_lone_request_is_not_given_up_where_drafting_costs_nothing_in_plain_rounds():
+    """Without target features to keep (n-gram lookup, a draft model), drafting is given up from two requests up but
+    not for one request alone, however long drafting has not paid there."""
+    adaptive = AdaptiveSpeculation()
+    adaptive.unpaid_s = {1: 10 * AdaptiveSpeculation.GIVE_UP_AFTER_S, 2: AdaptiveSpeculation.GIVE_UP_AFTER_S}
+    assert adaptive.gave_up(1) and adaptive.gave_up(2)
+    adaptive.drafting_costs_in_plain_rounds = False
+    assert not adaptive.gave_up(1) and adaptive.gave_up(2)
+    assert all(adaptive.speculates_new_request(1) for _ in range(2 * AdaptiveSpeculation.CANARY_EVERY))
+    assert adaptive.drafting_kept(1) is None and adaptive.drafting_kept(2) == 1
+
+
 def test_a_stretch_of_misses_does_not_stop_trees_that_pay_on_average():
     # An n-gram drafter on code, one request, the H200 stack's costs: a plain round 1.9 ms, 17 nodes 2.3 ms,
     # the drafter's round trip 0.9 ms. Break-even is 1.68 tokens a round at budget 16.

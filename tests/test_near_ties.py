@@ -62,6 +62,7 @@ def test_a_near_tie_passes_and_a_clear_preference_does_not(case):
     summary = check(report, usable(report), target, tolerance)
     assert summary["checked"] == 2 and summary["near_ties"] == 1
     [bad] = summary["not_near_ties"]
+    assert summary["largest_relative_gap"] == pytest.approx(bad["gap"] / bad["scale"])
     assert bad["request"] == 0 and bad["at"] == 3 and bad["gap"] > gap.gap
     assert summary["unchecked"] == [{"mode": "speculative", "turn": 0, "concurrency": 4, "request_rate": None,
                                      "request": 0, "at": 3}]

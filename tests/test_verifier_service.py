@@ -191,8 +191,10 @@ def test_bad_requests_are_invalid_argument(tmp_path, target, message, text):
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and text in error.details()
 
 
-async def start_given_up_verifier(tmp_path, target, adaptive):
-    """A verifier with one drafter, whose `adaptive` speculation has given drafting up at every batch size."""
+async def start_given_up_verifier(tmp_path, target, adaptive, drafting_costs_in_plain_rounds=True):
+    """A verifier with one drafter, whose `adaptive` speculation has found that drafting does not pay at any batch
+    size, and takes it that a drafting request costs in plain rounds (as a DFlash drafter's, which keeps target
+    features), unless `drafting_costs_in_plain_rounds` is None: then as the scheduler set it from the drafter."""
     from treeserve.verifier.adaptive import AdaptiveSpeculation
 
     drafter = await start_drafter(tmp_path)
@@ -203,6 +205,8 @@ async def start_given_up_verifier(tmp_path, target, adaptive):
     scheduler = servicer.attach(target, build_verifier(target.model, 8, False, 0, block_size=4), adaptive)
     task = asyncio.ensure_future(scheduler.run())
     await scheduler.connect(links[0])
+    if drafting_costs_in_plain_rounds is not None:  # None: as the scheduler set it from the drafter
+        adaptive.drafting_costs_in_plain_rounds = drafting_costs_in_plain_rounds
     return drafter, service, scheduler, task
 
 
@@ -234,6 +238,35 @@ def test_where_drafting_has_stopped_paying_new_requests_decode_plainly(tmp_path,
     assert drafting == [False] * (len(prompts) - 1) + [True]  # the last one: the canary
     registry = scheduler.metrics.registry
     assert registry.get_sample_value("treeserve_verifier_plain_admissions_total") == len(prompts) - 1
+
+
+def test_a_lone_request_of_a_drafter_without_features_is_not_given_up(tmp_path, target):
+    """The n-gram drafter keeps no target features, so a request that could draft costs nothing more in a plain
+    round: the scheduler tells adaptive speculation so, and where drafting has not paid, requests that ask for trees
+    one at a time are still admitted drafting and keep drafting (their rounds' choices, not a ban, decide)."""
+    from treeserve.verifier.adaptive import AdaptiveSpeculation
+
+    prompts = repetitive_prompts(3, seed=4)
+
+    async def main():
+        drafter, service, scheduler, task = await start_given_up_verifier(
+            tmp_path, target, AdaptiveSpeculation(), drafting_costs_in_plain_rounds=None)
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            results = [await collect(stub, request(prompt)) for prompt in prompts]
+        task.cancel()
+        await service.server.stop(0)
+        await drafter.server.stop(0)
+        return results, scheduler
+
+    results, scheduler = asyncio.run(main())
+    assert scheduler.adaptive.drafting_costs_in_plain_rounds is False  # set from the drafter it connected to
+    for prompt, (tokens, _) in zip(prompts, results):
+        assert tokens == expected(target, prompt)
+    # Each was admitted drafting and kept drafting (whether a round drafts is the choice's, round by round).
+    registry = scheduler.metrics.registry
+    assert registry.get_sample_value("treeserve_verifier_plain_admissions_total") == 0
+    assert registry.get_sample_value("treeserve_verifier_drafting_stopped_total") == 0
 
 
 def test_where_drafting_has_stopped_paying_running_requests_stop_drafting(tmp_path, target):

@@ -29,11 +29,11 @@ sampled n-gram drafts made a new request expect 4.3 tokens a round from the all-
 rounds copy from its prompt and accept well) where it had about 1.5, and rounds speculated and lost.
 
 Plain decoding stays a candidate in every round, so where verification turns compute-bound (large batches),
-speculation switches itself off rather than costing throughput. A request that could draft still costs more
-than a plain one in a plain round (a DFlash request keeps its target features for the drafter), so where drafting
-would not have paid for a while even were every request drafting, new requests decode plainly, and so do the
-running ones from then on, but for a few that keep drafting so that it is tried again (`speculates_new_request`,
-`drafting_kept`).
+speculation switches itself off rather than costing throughput. Where a request that could draft still costs more
+than a plain one in a plain round (a DFlash request keeps its target features for the drafter), and drafting would
+not have paid for a while even were every request drafting, new requests decode plainly, and so do the running
+ones from then on, but for a few that keep drafting so that it is tried again (`speculates_new_request`,
+`drafting_kept`; for a drafter without features, not at one request: `gave_up`).
 """
 
 from __future__ import annotations
@@ -206,6 +206,10 @@ class AdaptiveSpeculation:
         self.reused = 0
         self.unpaid_s: dict[int, float] = {}  # batch bucket -> plain rounds' time since drafting last paid there
         self.plain_admissions = 0  # new requests told to decode plainly: every CANARY_EVERY-th drafts anyway
+        # Whether a request that could draft costs more than a plain one in a plain round (its drafter conditions
+        # on target features, which it keeps); the scheduler sets it from its drafters. Where it does not (n-gram
+        # lookup, a draft model), drafting is not given up for a lone request (`gave_up`).
+        self.drafting_costs_in_plain_rounds = True
 
     # ------------------------------------------------------------------------------------------- observations
 
@@ -334,7 +338,7 @@ class AdaptiveSpeculation:
         bucket = batch_bucket(batch)
         before = self.unpaid_s.get(bucket, 0.0)
         self.unpaid_s[bucket] = 0.0 if seconds is None else before + seconds
-        if before < self.GIVE_UP_AFTER_S <= self.unpaid_s[bucket]:
+        if before < self.GIVE_UP_AFTER_S <= self.unpaid_s[bucket] and self.gave_up(bucket):
             log.info("adaptive: drafting has not paid at batches of up to %d requests for %.1f s of rounds; new "
                      "requests there decode plainly, but for one in %d", bucket, self.unpaid_s[bucket],
                      self.CANARY_EVERY)
@@ -345,8 +349,19 @@ class AdaptiveSpeculation:
         return plain_rounds >= self.explore_interval and plain_seconds * self.EXPLORE_SHARE >= self.try_extra_s
 
     def gave_up(self, batch: int) -> bool:
-        """Whether rounds at this batch's bucket have been plain for GIVE_UP_AFTER_S since drafting last paid."""
-        return self.unpaid_s.get(batch_bucket(batch), 0.0) >= self.GIVE_UP_AFTER_S
+        """Whether rounds at this batch's bucket have been plain for GIVE_UP_AFTER_S since drafting last paid.
+
+        Never for a lone request whose drafting costs nothing in plain rounds: there giving up saves no one else's
+        time, only the tries (which EXPLORE_SHARE bounds), and it takes the stretches that pay, which come in bursts
+        within a request. On the H200, one request at a time on code, the n-gram stack gave up within a second,
+        then drafted one request in CANARY_EVERY: 0.97x and 1.07x plain decoding in two runs, 1.19x not giving up
+        there (docs/benchmarks.md). From two requests up giving up also stops trees the choice misjudges (their
+        costs, learnt from few rounds, read low: never giving up, n-gram tree rounds at 64 requests took 14-22 ms
+        where 11-16 were expected)."""
+        bucket = batch_bucket(batch)
+        if bucket == 1 and not self.drafting_costs_in_plain_rounds:
+            return False
+        return self.unpaid_s.get(bucket, 0.0) >= self.GIVE_UP_AFTER_S
 
     def speculates_new_request(self, batch: int) -> bool:
         """Whether a new request that asks for trees, joining a batch of `batch`, should draft: not where drafting

@@ -27,7 +27,12 @@ from treeserve.loading import LoadedModel
 from treeserve.loading.hf_folder import read_json
 from treeserve.models import KVCache, TreeAttention
 
-NEAR_TIE = 2 ** -6  # bfloat16 keeps 8 bits of mantissa: a few roundings of a logit move it by about this much
+# bfloat16 keeps 8 bits of mantissa, so a logit of about 20 is held to 0.125, and the rounding of 30 layers in other
+# shapes moves it by a few of those: on the H200 (docs/benchmarks.md), two plain runs of the n-gram stack parted at
+# a gap of 0.375 below a top logit of 22.5 (2^-5.9 of it), and speculative runs at up to 0.5 below 19.75 (2^-5.3),
+# where 2^-6 had been set before any bfloat16 divergence was checked. 2^-5 is also the bfloat16 tolerance the graph
+# tests hold logits of two shapes of one forward to (3e-2 of the largest).
+NEAR_TIE = 2 ** -5
 
 
 @torch.inference_mode()
@@ -81,7 +86,8 @@ def check(report: dict, prompts: list[dict], target: LoadedModel, tolerance: flo
     counts, and each one that is not a near-tie or could not be checked (an output that ended where the other went
     on, or a request that failed in one of the runs, which identical_to_plain counts and no divergence records),
     with its run."""
-    summary = {"tolerance": tolerance, "checked": 0, "near_ties": 0, "not_near_ties": [], "unchecked": []}
+    summary = {"tolerance": tolerance, "checked": 0, "near_ties": 0, "largest_relative_gap": None,
+               "not_near_ties": [], "unchecked": []}
     for row in report["runs"]:
         if "identical_to_plain" not in row:
             continue
@@ -99,6 +105,8 @@ def check(report: dict, prompts: list[dict], target: LoadedModel, tolerance: flo
             context = target.tokenizer.encode_prompt(prompt["prompt"], bool(prompt.get("chat"))) + found["shared"]
             gap = logit_gap(target.model, context, found["first"], found["other"])
             summary["checked"] += 1
+            relative = gap.gap / gap.scale
+            summary["largest_relative_gap"] = max(relative, summary["largest_relative_gap"] or 0.0)
             if gap.near_tie(tolerance):
                 summary["near_ties"] += 1
             else:
@@ -116,7 +124,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", required=True, choices=("float32", "bfloat16"),
                    help="the dtype the bench's verifier served in")
     p.add_argument("--tolerance", type=float, default=NEAR_TIE,
-                   help="the largest logit gap of a near-tie, relative to the largest logit (default 2^-6)")
+                   help="the largest logit gap of a near-tie, relative to the largest logit (default 2^-5)")
     p.add_argument("--prompts", help="the bench's prompt file, where its report names one not found from here")
     p.add_argument("--out", help="write the summaries here as JSON")
     args = p.parse_args(argv)
@@ -147,8 +155,10 @@ def main(argv=None) -> int:
     for path, summary in summaries.items():
         bad, unchecked = summary["not_near_ties"], summary["unchecked"]
         clean = clean and not bad and not unchecked
+        largest = summary["largest_relative_gap"]
         print(f"{path}: {summary['checked']} divergences checked, {summary['near_ties']} near-ties, {len(bad)} not, "
-              f"{len(unchecked)} unchecked (an output that ended where the other went on, or failed requests)")
+              f"{len(unchecked)} unchecked (an output that ended where the other went on, or failed requests)"
+              + (f"; largest gap {largest:.4f} of the top logit" if largest is not None else ""))
         for where in bad:
             print(f"  NOT a near-tie: {where}")
     if args.out:

@@ -62,6 +62,8 @@ class Scheduler:
         # The target layers whose hidden states the drafters need, known once one has connected; every drafter
         # of a verifier must want the same ones.
         self.feature_layer_ids: tuple[int, ...] = ()
+        if adaptive is not None:  # a request that could draft costs in plain rounds only where it keeps features
+            adaptive.drafting_costs_in_plain_rounds = False
         self.feature_backlog = FeatureBacklog()  # kept features on their way to the host, flushed before drafts
         # This round's (budget chosen, tokens and seconds adaptive speculation expected of it), when it had an
         # estimate. Checked against the round (`_check_expectation`) unless the round prefilled a prompt, whose
@@ -77,6 +79,8 @@ class Scheduler:
             return False
         if link.feature_layer_ids and not self.feature_layer_ids:
             self.feature_layer_ids = link.feature_layer_ids
+            if self.adaptive is not None:
+                self.adaptive.drafting_costs_in_plain_rounds = True
         if link.feature_layer_ids and link.feature_layer_ids != self.feature_layer_ids:
             log.error("drafter %s wants features of target layers %s, the others %s: not using it", link.address,
                       list(link.feature_layer_ids), list(self.feature_layer_ids))
