@@ -30,8 +30,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafter", action="append", default=None, metavar="ADDRESS",
                    help="a drafter to use (repeatable); dns:///name:port means every address the name resolves "
                         "to (replicas); none given: plain decoding only")
-    p.add_argument("--default-budget", type=int, default=env("default_budget", "16"))
-    p.add_argument("--default-max-new-tokens", type=int, default=env("default_max_new_tokens", "64"))
+    p.add_argument("--default-budget", type=int, default=env("default_budget", "16"),
+                   help="tree budget (drafted nodes) for requests that leave it unset (default 16)")
+    p.add_argument("--default-max-new-tokens", type=int, default=env("default_max_new_tokens", "64"),
+                   help="for requests that leave max_new_tokens unset (default 64)")
     p.add_argument("--max-batch", type=int, default=env("max_batch", "64"), help="requests per round at most")
     p.add_argument("--kv-cache-tokens", type=int, default=env("kv_cache_tokens", "0"),
                    help="tokens the paged KV cache holds, over all requests (default 0: on a GPU, 90%% of the "
