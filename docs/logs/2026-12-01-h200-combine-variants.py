@@ -3,14 +3,13 @@
 8B shape (batch 1, CUDA graphs, context 1024): one model, a TreeVerifier captured per variant, ten alternations of
 60 calls each of (variant x 1 node, 65 nodes), medians and each variant's ratio of 65 nodes to 1, as
 2026-11-30-h200-verify-ratio-64-nodes.py measures it; each variant's logits against the default's. From the
-repository root on the H200: python3 docs/logs/2026-12-01-h200-combine-variants.py --out combine-variants.json"""
-import json, math, os, random, statistics, sys, time
+repository root on the H200: python3 docs/logs/2026-12-01-h200-combine-variants.py --out combine-variants.json
+(the measuring is verify_variants.measure, shared with -tree-splits-variants.py)."""
+import math, os, sys
 import torch
 import triton
 from treeserve.kernels import tree_attention as ta
-from treeserve.models.paged_kv import PagedKVCache
-from treeserve.verifier.graph_bench import SHAPES, random_model, chain_or_tree
-from treeserve.verifier.graphs import TreeVerifier
+from verify_variants import measure
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # for a check on the CPU
 
@@ -60,50 +59,8 @@ def variant(partials_dtype, combine_warps):
 
 VARIANTS = {"default": None, "bf16_partials": ("storage", 4), "combine_1w": ("float32", 1),
             "combine_2w": ("float32", 2), "combine_8w": ("float32", 8), "bf16_partials_2w": ("storage", 2)}
-out = sys.argv[sys.argv.index("--out") + 1]
-context, calls, alternations = 1024, 60, 10
-cfg = SHAPES["llama3-8b"]
-model = random_model(cfg, "cuda", torch.bfloat16)
-rng = random.Random(0)
-trees = {size: chain_or_tree(size, rng, cfg.vocab_size) for size in (1, 65)}
-original = ta.tree_attention
-steps = {}
-for name, setting in VARIANTS.items():
-    ta.tree_attention = original if setting is None else variant(*setting)  # looked up when graphs are captured
-    pool = PagedKVCache(cfg, (context + 65) // 16 + 4, 16, model.dtype, "cuda")
-    pool.data.normal_(generator=torch.Generator("cuda").manual_seed(0))
-    verifier = TreeVerifier(model, pool, 1, 65, graphs=True)
-    verifier.capture()
-    sequence = pool.sequence(); sequence.reserve(context); sequence.keep(list(range(context)))
-    for size, tree in trees.items():
-        args = ([sequence], [tree.tokens], [torch.tensor(tree.depths()) + context], [tree.ancestor_mask()])
-        steps[name, size] = (lambda v, a: lambda: v.verify(*a))(verifier, args)
-        for _ in range(10):
-            steps[name, size]()
-ta.tree_attention = original
-torch.cuda.synchronize()
-with torch.inference_mode():
-    logits = {key: step()[0][0].tensor().float().clone() for key, step in steps.items()}
-agreement = {f"{name}_{size}": {"same_argmax": bool(torch.equal(logits[name, size].argmax(-1),
-                                                                logits["default", size].argmax(-1))),
-                                "max_logit_difference": float((logits[name, size] - logits["default", size]).abs().max())}
-             for name in VARIANTS for size in (1, 65)}
-print("against default:", agreement, flush=True)
-rows = []
-for alternation in range(alternations):
-    medians = {}
-    for key, step in steps.items():
-        times = []
-        for _ in range(calls):
-            torch.cuda.synchronize(); started = time.perf_counter(); step(); torch.cuda.synchronize()
-            times.append((time.perf_counter() - started) * 1000)
-        medians[key] = statistics.median(times)
-    row = {f"{name}_{size}_ms": round(ms, 4) for (name, size), ms in medians.items()}
-    row.update({f"ratio_{name}": round(medians[name, 65] / medians[name, 1], 4) for name in VARIANTS})
-    rows.append(row)
-    print(row, flush=True)
-summary = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
-print("median:", summary, flush=True)
-json.dump({"command": "python3 docs/logs/2026-12-01-h200-combine-variants.py --out " + out, "context": context,
-           "calls": calls, "variants": VARIANTS, "rows": rows, "median": summary, "against_default": agreement},
-          open(out, "w"), indent=1)
+
+if __name__ == "__main__":
+    out = sys.argv[sys.argv.index("--out") + 1]
+    measure({name: None if setting is None else variant(*setting) for name, setting in VARIANTS.items()}, VARIANTS,
+            "python3 docs/logs/2026-12-01-h200-combine-variants.py --out " + out, out)
