@@ -62,5 +62,6 @@ VARIANTS = {"default": None, "bf16_partials": ("storage", 4), "combine_1w": ("fl
 
 if __name__ == "__main__":
     out = sys.argv[sys.argv.index("--out") + 1]
-    measure({name: None if setting is None else variant(*setting) for name, setting in VARIANTS.items()}, VARIANTS,
+    measure({name: {} if setting is None else {(ta, "tree_attention"): variant(*setting)}
+             for name, setting in VARIANTS.items()}, VARIANTS,
             "python3 docs/logs/2026-12-01-h200-combine-variants.py --out " + out, out)

@@ -24,6 +24,6 @@ def with_tree_splits(original, splits):
 
 if __name__ == "__main__":
     out = sys.argv[sys.argv.index("--out") + 1]
-    measure({name: None if splits is None else with_tree_splits(ta.tree_attention, splits)
+    measure({name: {} if splits is None else {(ta, "tree_attention"): with_tree_splits(ta.tree_attention, splits)}
              for name, splits in VARIANTS.items()}, VARIANTS,
             "python3 docs/logs/2026-12-01-h200-tree-splits-variants.py --out " + out, out)
