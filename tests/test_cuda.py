@@ -8,8 +8,11 @@ are within bfloat16 noise of each other: every divergence is checked to be such 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import traceback
+import warnings
 
 import pytest
 import torch
@@ -18,7 +21,8 @@ from random_targets import ENGINE_FAMILIES, RandomTreeDrafter, random_target, wo
 from treeserve.divergence import first_divergence
 from treeserve.models.paged_kv import PagedKVCache
 from treeserve.params import GenerationParams
-from treeserve.verifier import generate
+from treeserve.verifier import Generation, generate
+from treeserve.verifier.engine import commit_round, forward_batch
 from treeserve.verifier.graphs import TreeVerifier
 from treeserve.verifier.near_ties import NEAR_TIE, logit_gap
 
@@ -68,6 +72,60 @@ def test_greedy_speculation_on_cuda(case, dtype, kv):
                 assert output == reference, f"{case} budget {budget}"
             else:
                 assert_equal_or_near_tie(model, prompt, reference, output, tolerance=NEAR_TIE)
+
+
+@contextlib.contextmanager
+def synchronising_calls():
+    """The Python stacks of the calls that made the host wait on the device while inside (CUDA's sync debug mode
+    warns at each; explicit waits on an event are not counted)."""
+    stacks: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            stacks.append("".join(traceback.format_stack(limit=7)[:-1]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield stacks
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_graph_round_waits_on_the_device_once(temperature):
+    """Issue 5's rule: no host synchronisation inside a round but the one that brings the picked tokens back.
+    Two requests verified together from CUDA graphs (trees staged, replayed, picked, accepted paths' KV moved),
+    every round after the first two (buffers made at first use) waits once."""
+    model = random_target("llama", seed=1, vocab_size=VOCAB, weight_scale=2.0).to("cuda", torch.float32)
+    tokenizer = word_tokenizer(VOCAB)
+    verifier = TreeVerifier(model, PagedKVCache(model.config, 64, 16, torch.float32, "cuda"), max_batch=2,
+                            graphs=True)
+    verifier.capture()
+    rng = random.Random(0)
+    generations = []
+    for i in range(2):
+        prompt = [rng.randrange(VOCAB) for _ in range(12 + 9 * i)]
+        reference = generate(model, tokenizer, prompt, GenerationParams(max_new_tokens=40)).token_ids
+        params = GenerationParams(max_new_tokens=40, temperature=temperature, seed=i)
+        drafter = RandomTreeDrafter(oracle(prompt, reference), VOCAB, seed=i)
+        generations.append(Generation(model, tokenizer, prompt, params, drafter, 16, verifier=verifier))
+    waits = []
+    for round_number in range(8):
+        live = [generation for generation in generations if not generation.finished]
+        if not live:
+            break
+        with synchronising_calls() as stacks:
+            plans = [generation.plan(generation.local_draft() if generation.prefilled else None)
+                     for generation in live]
+            logits, features = forward_batch(model, plans, (), verifier)
+            commit_round(live, plans, logits, features)
+        if round_number >= 2:
+            waits.append(stacks)
+    assert len(waits) >= 3, "too few rounds to judge"
+    for stacks in waits:
+        assert len(stacks) == 1, "a round waited on the device at:\n" + "\n".join(stacks)
 
 
 REAL_GGUF = os.environ.get("TREESERVE_SMOLLM2_GGUF")

@@ -61,7 +61,10 @@ class PagedKVCache:
         if self.recorded_moves is not None:
             self.recorded_moves.append((source, target))
         flat = self.data.flatten(2, 3)  # (2, layers, slots, kv_heads, head_dim)
-        source, target = torch.stack([source, target]).to(flat.device)
+        slots = torch.stack([source, target])
+        if flat.is_cuda:  # page-locked: the copy does not make the host wait (a round waits once, for its picks)
+            slots = slots.pin_memory()
+        source, target = slots.to(flat.device, non_blocking=True)
         flat[:, :, target] = flat[:, :, source]  # indexing copies first: overlaps are safe
 
     @contextlib.contextmanager
