@@ -1,9 +1,10 @@
 """The engine on a CUDA device (run on the GPU host; skipped where there is none).
 
 float32: greedy speculative output equals plain greedy output exactly, with each request's contiguous KV cache,
-with a paged pool read by the Triton kernels, and with trees verified by CUDA-graph replay. bfloat16: a tree forward and a
-one-token forward round differently, so outputs may part ways, but only where the target's top two tokens
-are within bfloat16 noise of each other: every divergence is checked to be such a near-tie.
+with a paged pool read by the Triton kernels, and with trees verified by CUDA-graph replay. bfloat16: a tree
+forward and a one-token forward round differently, so outputs may part ways, but only where the target's top two
+tokens are within bfloat16 noise of each other: every divergence is checked to be such a near-tie. And a round
+from CUDA graphs makes the host wait on the device once.
 """
 
 from __future__ import annotations

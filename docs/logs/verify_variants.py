@@ -1,10 +1,11 @@
 """Issue 5's in-process experiments (2026-12-01-h200-combine-variants.py, -tree-splits-variants.py and
 -few-rows-linear.py import this): one model of the 8B shape (random bfloat16 weights on the GPU, batch 1, CUDA
 graphs, context 1024), a TreeVerifier captured per variant with the variant's patches installed (a module's
-`tree_attention`, a class's `forward`: what the model looks up when its graphs are captured), then ten alternations of 60 calls each of (variant x 1 node,
-65 nodes): medians and each variant's ratio of 65 nodes to 1, as 2026-11-30-h200-verify-ratio-64-nodes.py measures
-it, and each variant's logits against the default's. `device="cpu"` (with TRITON_INTERPRET=1, the "tiny" shape and
-a short context) checks a script without a GPU: eager forwards through the Triton kernels."""
+`tree_attention`, a class's `forward`: what the model looks up when its graphs are captured), then ten
+alternations of 60 calls each of (variant x 1 node, 65 nodes): medians and each variant's ratio of 65 nodes to 1,
+as 2026-11-30-h200-verify-ratio-64-nodes.py measures it, and each variant's logits against the default's.
+`device="cpu"` (with TRITON_INTERPRET=1, the "tiny" shape and a short context) checks a script without a GPU:
+eager forwards through the Triton kernels."""
 import json, random, statistics, time
 import torch
 from treeserve.models.paged_kv import PagedKVCache
