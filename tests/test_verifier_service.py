@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -20,6 +22,7 @@ from treeserve.v1 import generation_pb2, verifier_pb2, verifier_pb2_grpc
 from treeserve.verifier import generate
 from treeserve.verifier.drafter_link import DrafterLink
 from treeserve.verifier.graphs import build_verifier
+from treeserve.verifier import server as verifier_server
 from treeserve.verifier.server import VerifierServicer
 
 VOCAB = 64
@@ -113,6 +116,40 @@ def test_a_drafter_that_is_down_or_dies_costs_speed_not_tokens(tmp_path, target)
 
     for prompt, (tokens, _) in zip(prompts, asyncio.run(main())):
         assert tokens == expected(target, prompt, 40)
+
+
+def test_the_forwards_run_on_the_thread_that_loaded_the_target(tmp_path, target, monkeypatch):
+    """On the CPU the forwards block, and run on the service's one compute thread (the one that loaded the target):
+    a forward on a second thread starts a second OpenMP team, after which every round took 2.6x as long on the
+    2-core CPU machine (docs/benchmarks.md)."""
+    threads = []
+
+    def forward_batch(*args):
+        threads.append(threading.current_thread().name)
+        return original(*args)
+    original = verifier_server.forward_batch
+    monkeypatch.setattr(verifier_server, "forward_batch", forward_batch)
+    compute = ThreadPoolExecutor(1, "loaded-the-target")
+    prompt = repetitive_prompts(1, seed=5)[0]
+
+    async def main():
+        drafter = await start_drafter(tmp_path)
+        servicer = VerifierServicer("tiny", [DrafterLink(drafter.address, 1.0)], default_budget=8,
+                                    default_max_new_tokens=16, max_batch=4)
+        service = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
+        scheduler = servicer.attach(target, build_verifier(target.model, 4, False, 0, block_size=4),
+                                    compute=compute)
+        task = asyncio.ensure_future(scheduler.run())
+        await scheduler.connect(servicer.links[0])
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            tokens, _ = await collect(verifier_pb2_grpc.VerifierServiceStub(channel), request(prompt, 20))
+        task.cancel()
+        await service.server.stop(0)
+        await drafter.server.stop(0)
+        return tokens
+
+    assert asyncio.run(main()) == expected(target, prompt, 20)
+    assert len(threads) > 1 and set(threads) == {"loaded-the-target_0"}
 
 
 def test_cancelling_a_request_frees_it_and_others_finish(tmp_path, target):

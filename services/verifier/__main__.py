@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from treeserve.errors import TreeserveError
 from treeserve.tree import MAX_BUDGET
@@ -87,7 +88,7 @@ async def serve(args, shard=None, followers=()) -> None:
     from treeserve.verifier.drafter_link import DrafterLink, expand_drafter_addresses
     from treeserve.models.graphs import graphs_wanted
     from treeserve.verifier.adaptive import AdaptiveSpeculation
-    from treeserve.verifier.server import VerifierServicer
+    from treeserve.verifier.server import VerifierServicer, use_intra_op_threads
     from treeserve.verifier.tensor_parallel import Mirror, build_mirrored_verifier
 
     metrics = telemetry.VerifierMetrics()
@@ -98,30 +99,38 @@ async def serve(args, shard=None, followers=()) -> None:
     service = await serving.start(args.listen, servicer.register)
     log.info("verifier listening on %s; loading %s", service.address, args.target)
     mirror = None if shard is None else Mirror(parallel.control_group())
+    # All of torch's parallel work runs on this one thread, from loading to every forward that blocks. A second
+    # thread's parallel op starts a second OpenMP team, and on the 2-core CPU machine every round after that took
+    # 2.6x as long, for the life of the process (docs/benchmarks.md).
+    compute = ThreadPoolExecutor(1, "verifier-compute")
+    on_compute = functools.partial(asyncio.get_running_loop().run_in_executor, compute)
     try:
-        target = await asyncio.to_thread(load_target, args.target, args.device, args.dtype, shard)
+        target = await on_compute(load_target, args.target, args.device, args.dtype, shard)
         graphs = graphs_wanted(args.cuda_graphs, args.device)
-        verifier = await asyncio.to_thread(build_mirrored_verifier, target.model, mirror, max_batch=args.max_batch,
-                                           graphs=graphs, kv_cache_tokens=args.kv_cache_tokens)
+        verifier = await on_compute(functools.partial(
+            build_mirrored_verifier, target.model, mirror, max_batch=args.max_batch, graphs=graphs,
+            kv_cache_tokens=args.kv_cache_tokens))
     except BaseException:
         await serving.abandon(service)
         raise
     adaptive = None
     if args.speculation == "adaptive":
         adaptive = AdaptiveSpeculation(args.adaptive_min_budget, args.adaptive_max_budget)
-    scheduler = servicer.attach(target, verifier, adaptive)
+    scheduler = servicer.attach(target, verifier, adaptive, compute)
+    if args.device == "cpu":  # the event loop's own torch work (picks, KV moves) is small: one thread, no team
+        use_intra_op_threads(1)
     # A lost tensor-parallel rank: the scheduler has failed every stream; stop as on SIGTERM.
     scheduler.on_rank_lost = lambda error: os.kill(os.getpid(), signal.SIGTERM)
     watch_followers(followers, scheduler, mirror)
     for link in links:
         await scheduler.connect(link)
     if verifier.kernels:  # compile the prefill's kernels now rather than in the first requests
-        seconds = await asyncio.to_thread(verifier.warm_up_prefill, scheduler.feature_layer_ids)
+        seconds = await on_compute(verifier.warm_up_prefill, scheduler.feature_layer_ids)
         log.info("prefill kernels warmed up in %.1f s", seconds)
     if verifier.use_graphs:  # after the drafters: the graphs compute the features they asked for
-        await asyncio.to_thread(verifier.capture, scheduler.feature_layer_ids)
+        await on_compute(verifier.capture, scheduler.feature_layer_ids)
         if adaptive is not None:  # what each tree size adds, known from the start
-            for (batch, rows), seconds in (await asyncio.to_thread(verifier.time_graphs)).items():
+            for (batch, rows), seconds in (await on_compute(verifier.time_graphs)).items():
                 adaptive.observe_graph(batch, rows, seconds)
     scheduler_task = asyncio.ensure_future(scheduler.run())
     await service.ready()

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
@@ -40,14 +41,24 @@ class Running:
     span: trace.Span  # the request's span: its prefill and rounds are children
 
 
+def use_intra_op_threads(count: int) -> None:
+    """Set the calling thread's torch intra-op (OpenMP) threads for good. torch sets a thread's count from a
+    process-wide value at that thread's first parallel op, which would undo a setting made before it: that first
+    initialisation is forced here."""
+    torch.get_num_threads()
+    torch.set_num_threads(count)
+
+
 class Scheduler:
     """Admits a request when it has a batch place and its whole KV (prompt + max_new_tokens + one tree) fits in
     what the pool has not promised to the running ones, so a round never runs out of blocks."""
 
     def __init__(self, target: LoadedModel, verifier: TreeVerifier, links: list[DrafterLink], max_batch: int,
                  tracing: Tracing | None = None, metrics: VerifierMetrics | None = None,
-                 adaptive: AdaptiveSpeculation | None = None):
+                 adaptive: AdaptiveSpeculation | None = None, compute: ThreadPoolExecutor | None = None):
         self.target, self.verifier, self.links, self.max_batch = target, verifier, links, max_batch
+        # The thread where a forward blocks (`_forward`): the service's one thread for torch's parallel work.
+        self.compute = compute or ThreadPoolExecutor(1, "verifier-compute")
         # With `adaptive`, each round's tree budget is chosen for tokens per second (0: plain, no drafter call);
         # without, every request drafts its own budget.
         self.adaptive = adaptive
@@ -310,7 +321,7 @@ class Scheduler:
         a collective with a dead rank may never return and the loop must stay free to notice and fail the streams."""
         args = (self.target.model, plans, self.feature_layer_ids, self.verifier)
         if self.verifier.pool.data.device.type != "cuda" or self.verifier.mirror is not None:
-            return await asyncio.to_thread(forward_batch, *args)
+            return await asyncio.get_running_loop().run_in_executor(self.compute, forward_batch, *args)
         found = forward_batch(*args)
         finished = torch.cuda.Event()
         finished.record()
@@ -419,13 +430,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         return [verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name]
 
     def attach(self, target: LoadedModel, verifier: TreeVerifier | None = None,
-               adaptive: AdaptiveSpeculation | None = None) -> Scheduler:
+               adaptive: AdaptiveSpeculation | None = None, compute: ThreadPoolExecutor | None = None
+               ) -> Scheduler:
         """Start scheduling on a loaded target; `verifier` defaults to an eager one with a default-sized pool;
-        `adaptive`: choose each round's budget (else every request drafts its own)."""
+        `adaptive`: choose each round's budget (else every request drafts its own); `compute`: the thread that
+        loaded the target, to run the forwards that block."""
         self.target = target
         verifier = verifier or build_verifier(target.model, self.max_batch)
         self.scheduler = Scheduler(target, verifier, self.links, self.max_batch, self.tracing, self.metrics,
-                                   adaptive)
+                                   adaptive, compute)
         return self.scheduler
 
     async def Generate(self, request, context):
