@@ -5,9 +5,9 @@ import itertools
 import pytest
 import torch
 
-from treeserve.drafter.trees import chain_trees, ddtree_trees
+from treeserve.drafter.trees import chain_trees, ddtree_from_distributions, ddtree_trees
 from treeserve.errors import TreeserveError
-from treeserve.tree import DraftTree
+from treeserve.tree import MAX_BUDGET, DraftTree
 
 VOCAB = 50
 
@@ -199,3 +199,67 @@ def test_ancestor_masks_follow_the_parents_and_are_shared_by_trees_of_one_shape(
         assert same_shape is mask  # worked out once per shape
     assert DraftTree([1, 2, 3], [-1, 0, 0]).ancestor_mask()[2].tolist() == [True, False, True]
     assert DraftTree([1, 2, 3], [-1, 0, 1]).ancestor_mask()[2].tolist() == [True, True, True]
+
+
+def best_first_tree(log_probs_row, budget):
+    """DDTree as defined: best-first search over each position's whole sorted distribution. The best node not
+    yet taken is always the first child of a taken node or the next younger sibling of one, so a heap of those
+    frontier nodes yields the top `budget` paths one by one. Returns each taken node as its token path."""
+    import heapq
+
+    order = [sorted(range(len(row)), key=lambda t: -row[t]) for row in log_probs_row]  # tokens by log-prob
+    depth, taken = len(order), []
+    frontier = [(-log_probs_row[0][order[0][0]], (0,))]  # (-score, choice path)
+    while frontier and len(taken) < budget:
+        minus_score, path = heapq.heappop(frontier)
+        taken.append(tuple(order[position][k] for position, k in enumerate(path)))
+        parent_score = -minus_score - log_probs_row[len(path) - 1][order[len(path) - 1][path[-1]]]
+        if path[-1] + 1 < len(order[0]):  # the next younger sibling
+            sibling = path[:-1] + (path[-1] + 1,)
+            heapq.heappush(frontier, (-(parent_score + log_probs_row[len(path) - 1][order[len(path) - 1][sibling[-1]]]),
+                                      sibling))
+        if len(path) < depth:  # the first child
+            heapq.heappush(frontier, (minus_score - log_probs_row[len(path)][order[len(path)][0]], path + (0,)))
+    return taken
+
+
+def token_paths(tree: DraftTree):
+    paths = [()]
+    for node in range(1, tree.size):
+        paths.append(paths[tree.parents[node]] + (tree.tokens[node],))
+    return paths[1:]
+
+
+@pytest.mark.parametrize("sharpness", [0.3, 1.0, 3.0])
+def test_ddtree_from_whole_distributions_is_the_best_tree_at_every_budget(sharpness):
+    # Flat distributions (low sharpness) put more than 8 of one position's tokens into the best tree at budgets
+    # above 8: a top-8 cut per position fails here.
+    generator = torch.Generator().manual_seed(int(sharpness * 10))
+    batch, depth, vocab = 4, 5, 160
+    logits = torch.randn(batch, depth, vocab, generator=generator, dtype=torch.float64) * sharpness
+    log_probs = torch.log_softmax(logits, dim=-1)
+    roots = torch.randint(vocab, (batch,), generator=generator)
+    widest = 0
+    for budget in range(1, MAX_BUDGET + 1):
+        budgets = [budget, max(budget - 5, 0), budget, min(budget + 3, MAX_BUDGET)]
+        trees = ddtree_from_distributions(roots, log_probs, budgets)
+        for b, (tree, tree_budget) in enumerate(zip(trees, budgets)):
+            tree.validate(vocab)
+            assert tree.tokens[0] == roots[b].item() and tree.size == tree_budget + 1
+            expected = best_first_tree(log_probs[b].tolist(), tree_budget)
+            assert set(token_paths(tree)) == set(expected), (budget, b)
+            widest = max(widest, sum(1 for parent in tree.parents if parent == 0))
+    if sharpness < 3:
+        assert widest > 8, "the distributions must be flat enough to need more than 8 tokens at one position"
+
+
+def test_ddtree_over_wide_top_k_lists_is_the_best_tree():
+    # 40 choices a position and budgets up to 128: the search expands only the (parent, choice) pairs that can
+    # rank among the best, and must still find the best tree. Rows are sorted, so a token path is a choice path.
+    generator = torch.Generator().manual_seed(13)
+    roots, log_probs, token_ids = random_top_k(3, 6, 40, generator)
+    for budget in (9, 33, 64, 128):
+        budgets = [budget, budget // 2, budget - 1]
+        for b, tree in enumerate(ddtree_trees(roots, log_probs, token_ids, budgets)):
+            expected = best_first_tree(log_probs[b].tolist(), budgets[b])
+            assert set(choice_paths(tree, token_ids[b].tolist())) == set(expected), (budget, b)

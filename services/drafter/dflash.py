@@ -201,14 +201,14 @@ DEFAULT_CONTEXT_TOKENS = {"cpu": 32768, "cuda": 262144}
 
 class DFlashDrafter:
     """Batched DFlash drafting: one block forward for every request of a round, then a tree per request, built
-    on the device (`chain`: the argmax path; `ddtree`: the best tree of `budget` nodes over each position's
-    top-`top_k` tokens). Contexts live in one paged pool of `kv_cache_tokens`; with `graphs` (CUDA) the block
-    forward replays a graph per batch bucket up to `max_batch` (call `capture()` once)."""
+    on the device (`chain`: the argmax path; `ddtree`: the best tree of `budget` nodes). Contexts live in one
+    paged pool of `kv_cache_tokens`; with `graphs` (CUDA) the block forward replays a graph per batch bucket up
+    to `max_batch` (call `capture()` once)."""
 
     name = "dflash"
 
     def __init__(self, model: DFlashModel, embedding: torch.Tensor, lm_head: torch.Tensor, tree: str = "ddtree",
-                 top_k: int = 8, max_batch: int = 64, kv_cache_tokens: int = 0, graphs: bool = False,
+                 max_batch: int = 64, kv_cache_tokens: int = 0, graphs: bool = False,
                  max_context: int | None = None):
         cfg = model.config
         if tree not in TREES:
@@ -219,7 +219,7 @@ class DFlashDrafter:
         if not 0 <= cfg.mask_token_id < embedding.shape[0]:
             raise TreeserveError(f"mask token id {cfg.mask_token_id} is outside the target's vocabulary")
         self.model, self.embedding, self.lm_head = model, embedding, lm_head
-        self.tree_kind, self.top_k = tree, top_k
+        self.tree_kind = tree
         self.feature_layer_ids = cfg.target_layer_ids
         self.feature_size = cfg.feature_size
         device = model.device
@@ -235,8 +235,7 @@ class DFlashDrafter:
                                   max_context or cfg.layers.max_context, graphs)
 
     @classmethod
-    def for_target(cls, path: str | Path, target_model, tree: str = "ddtree", top_k: int = 8,
-                   **options) -> "DFlashDrafter":
+    def for_target(cls, path: str | Path, target_model, tree: str = "ddtree", **options) -> "DFlashDrafter":
         """Load the checkpoint at `path` onto the target's device and dtype, borrowing its embedding and
         LM head (`options`: the constructor's). Raises TreeserveError when the drafter does not fit the target."""
         model = load_dflash(path, target_model.device, target_model.dtype)
@@ -244,7 +243,7 @@ class DFlashDrafter:
         bad = [i for i in model.config.target_layer_ids if not 0 <= i < layers]
         if bad:
             raise TreeserveError(f"{path}: the drafter reads target layer {bad[0]}, but the target has {layers}")
-        return cls(model, target_model.model.embed_tokens.weight, target_model.lm_head.weight, tree, top_k,
+        return cls(model, target_model.model.embed_tokens.weight, target_model.lm_head.weight, tree,
                    max_context=target_model.config.max_context, **options)
 
     def capture(self) -> None:
@@ -299,10 +298,9 @@ class DFlashDrafter:
         return torch.tensor(roots, device=self.model.device), log_probs[:len(contexts), 1:]
 
     def propose(self, contexts: list[DFlashRequest], budgets: list[int]):
-        from treeserve.drafter.trees import chain_trees, ddtree_trees
+        from treeserve.drafter.trees import chain_trees, ddtree_from_distributions
 
         roots, log_probs = self.block_log_probs(contexts)
         if self.tree_kind == "chain":
             return chain_trees(roots, log_probs.argmax(dim=-1, keepdim=True), budgets)
-        top = log_probs.topk(max(1, min(self.top_k, max(budgets), log_probs.shape[-1])), dim=-1)
-        return ddtree_trees(roots, top.values, top.indices, budgets)
+        return ddtree_from_distributions(roots, log_probs, budgets)

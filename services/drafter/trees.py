@@ -7,15 +7,22 @@ choice indices (k_1..k_d) with token token_ids[d-1, k_d] and score sum_i log_pro
 DDTree (arXiv 2604.12989) keeps the `budget` highest-scoring nodes. Log-probs are <= 0, so a child never
 scores above its parent, and a top-`budget` node's parent ranks above it; so the top-`budget` nodes of depth d
 all hang from the top-`budget` nodes of depth d - 1. The search therefore runs depth by depth, D steps whatever
-the budget: expand the previous depth's best M nodes (M = the largest budget of the batch) by their K choices and
-keep the best M; then take each request's top `budget` over all depths. Every chosen node's parent is chosen too,
-so the result is a tree; nodes come out depth by depth (parents before children).
+the budget: expand the previous depth's best M nodes (M = the largest budget of the batch) and keep the best M;
+then take each request's top `budget` over all depths. Every chosen node's parent is chosen too, so the result is
+a tree; nodes come out depth by depth (parents before children).
+
+Nothing is lost by keeping each position's top M tokens only: a node whose token is a position's (k+1)-th has k
+elder siblings that rank above it, so it is in the top M only if k < M. Nor by expanding only the pairs (parent
+rank i, choice k) with (i + 1)(k + 1) <= M: every pair (i' <= i, k' <= k) ranks above (i, k), so a pair with more
+than M of them cannot be among the best M. That is about M ln M candidates a depth instead of M * M.
 
 Ties: a shallower node ranks before a deeper one of equal score (so a parent always before its child), and
 within a depth the order is (parent's rank, choice index): elder siblings first.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -32,6 +39,14 @@ def chain_trees(roots: torch.Tensor, token_ids: torch.Tensor, budgets) -> list[D
         DraftTree.chain([root] + tokens[:min(budget, depth)])
         for root, tokens, budget in zip(root_list, argmax_tokens, budget_list)
     ]
+
+
+def ddtree_from_distributions(roots: torch.Tensor, log_probs: torch.Tensor, budgets) -> list[DraftTree]:
+    """Per request, the best tree of min(budget, all possible nodes) drafted nodes, from each position's whole
+    distribution: log_probs (B, D, vocab). Sorts only each position's top min(largest budget, vocab) tokens."""
+    largest = max(_budget_list(budgets, len(roots)), default=0)
+    top = log_probs.topk(max(1, min(largest, log_probs.shape[-1])), dim=-1)
+    return ddtree_trees(roots, top.values, top.indices, budgets)
 
 
 def ddtree_trees(roots: torch.Tensor, log_probs: torch.Tensor, token_ids: torch.Tensor, budgets,
@@ -60,12 +75,13 @@ def ddtree_trees(roots: torch.Tensor, log_probs: torch.Tensor, token_ids: torch.
     level_scores, level_parents, level_choices = [], [], []
     previous = torch.zeros(batch, 1, dtype=scores_in.dtype, device=device)  # the root
     for position in range(depth if keep else 0):
-        candidates = (previous[:, :, None] + scores_in[:, position, None, :]).flatten(1)  # (parent rank, choice)
+        parent_ranks, choices = _expandable(previous.shape[1], top_k, keep, device)
+        candidates = previous[:, parent_ranks] + scores_in[:, position, choices]  # in (parent rank, choice) order
         order = candidates.argsort(dim=1, descending=True, stable=True)[:, :keep]
         previous = candidates.gather(1, order)
         level_scores.append(previous)
-        level_parents.append(order // top_k)
-        level_choices.append(order % top_k)
+        level_parents.append(parent_ranks[order])
+        level_choices.append(choices[order])
     if not level_scores:
         trees = [DraftTree([root], [-1]) for root in roots.tolist()]
         return (trees, [[0.0] for _ in trees]) if with_log_probs else trees
@@ -103,6 +119,16 @@ def ddtree_trees(roots: torch.Tensor, log_probs: torch.Tensor, token_ids: torch.
         return trees
     drafted = compact(torch.cat(node_log_probs, 1)).tolist()
     return trees, [[0.0] + row[:tree.size - 1] for row, tree in zip(drafted, trees)]
+
+
+@functools.lru_cache(maxsize=256)
+def _expandable(parents: int, choices: int, keep: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (parent rank i, choice k) pairs with (i + 1)(k + 1) <= keep, in (i, k) order, as two index tensors:
+    the only children of `parents` sorted nodes that can rank among the best `keep` (see the module docstring).
+    When parents * choices <= keep, that is every pair."""
+    pairs = [(i, k) for i in range(parents) for k in range(min(choices, keep // (i + 1)))]
+    index = torch.tensor(pairs, dtype=torch.long).T.to(device)
+    return index[0], index[1]
 
 
 def _budget_list(budgets, batch: int) -> list[int]:
