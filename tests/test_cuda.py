@@ -156,3 +156,26 @@ def test_real_model_with_graphs_on_cuda(dtype, drafter_kind):
             assert result.token_ids == reference
         else:
             assert_equal_or_near_tie(target.model, prompt, reference, result.token_ids, tolerance=NEAR_TIE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_regeneration_from_a_graph_equals_eager_decoding(dtype):
+    # The lockstep decoder that regenerates training data replays one graph a step: the same kernels as eager
+    # steps, so the same tokens; in float32 they are also the engine's own greedy output.
+    from treeserve.drafter.training import LockstepDecoder, VARYING_LENGTH_SDPA
+    from torch.nn.attention import sdpa_kernel
+
+    model = random_target("llama", seed=3, vocab_size=VOCAB, weight_scale=2.0).to("cuda", dtype)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 30))] for _ in range(37)]
+    tokenizer = word_tokenizer(VOCAB)
+    stops = set(tokenizer.eos_ids) | {5}
+    with sdpa_kernel(VARYING_LENGTH_SDPA):
+        graphed = LockstepDecoder(model, prompts, 40, stops).run()
+        eager = LockstepDecoder(model, prompts, 40, stops, graphs=False).run()
+    assert graphed == eager
+    assert any(len(row) < 40 for row in graphed), "some rows must stop early"
+    if dtype == torch.float32:
+        for prompt, row in zip(prompts[:5], graphed[:5]):
+            alone = generate(model, tokenizer, prompt, GenerationParams(max_new_tokens=40, stop_token_ids=(5,)))
+            assert row == alone.token_ids

@@ -200,6 +200,7 @@ def test_regenerated_data_is_the_targets_own_output_and_is_reused(target, datase
     both = T.load_or_regenerate(path, target, tokenizer, prompts, 40, log=None)
     assert both[:3] == first and both == dataset[:4]
     assert T.load_or_regenerate(path, None, tokenizer, prompts, 40, log=None) == both  # no model needed
+    assert T.load_or_regenerate(path, None, tokenizer, prompts[:2], 40, log=None) == both[:2]  # a --limit run
     path.write_text(path.read_text() + '{"index": 4, "prompt_len')  # a run killed while writing
     assert T.load_or_regenerate(path, None, tokenizer, prompts, 40, log=None) == both
     assert path.read_text().endswith("}\n")

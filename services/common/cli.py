@@ -139,6 +139,13 @@ def add_drafter_training_commands(commands) -> None:
     train.add_argument("--out", required=True, type=Path, help="output folder (checkpoint, data, training.json)")
     train.add_argument("--data", required=True, type=Path,
                        help='training prompts, JSONL of {"prompt": ..., "chat": true|false} (see make-prompts)')
+    train.add_argument("--limit", type=int, help="train on the first N prompts of --data only (default: all)")
+    train.add_argument("--responses", type=Path,
+                       help="the target's responses to --data, kept and reused here (default OUT/data.jsonl): "
+                            "runs that share one file regenerate once; a file answering more of the same prompts "
+                            "serves a --limit run")
+    train.add_argument("--regenerate-only", action="store_true",
+                       help="stop once the responses are written (regenerate once, then train several drafters)")
     train.add_argument("--eval-data", type=Path, help="held-out prompts (default: the last --held-out of --data)")
     train.add_argument("--held-out", type=int, default=64, help="held-out sequences (default 64)")
     train.add_argument("--max-new-tokens", type=int, default=256, help="response cap when regenerating (256)")

@@ -258,10 +258,11 @@ def usable(sample: Sample, block_size: int) -> bool:
     return len(sample.tokens) - block_size - max(sample.prompt_length, 1) + 1 > 0
 
 
-class PaddedDecodeAttention:
+class LockstepAttention:
     """Left-padded rows decoded in lockstep with one KV cache (layers, B, kv_heads, capacity, head_dim): row b's
-    real tokens start at column pads[b]. One attention call per layer for the whole batch, which is what makes
-    regenerating a corpus fast. Call `advance()` after each forward.
+    real tokens start at column pads[b]. `length` (the columns written so far) lives on the device, and a decode
+    step attends over every column under a mask worked out there, so a step has static shapes and can replay from
+    one CUDA graph; the prompt's forward attends over its own columns only. Call `advance()` after each forward.
 
     The query heads that share a KV head are folded into one longer query (B, kv_heads, group * T, d), so SDPA
     needs no GQA support from its backend (not every fused kernel that takes a mask has it)."""
@@ -271,80 +272,132 @@ class PaddedDecodeAttention:
         self.keys = torch.zeros(shape, dtype=dtype, device=pads.device)
         self.values = torch.zeros(shape, dtype=dtype, device=pads.device)
         self.group = cfg.num_heads // cfg.num_kv_heads
-        self.pads, self.length, self.step = pads, 0, 0
+        self.pads, self.capacity = pads, capacity
+        self.length = torch.zeros(1, dtype=torch.long, device=pads.device)
+        self.step, self.visible = 0, 0
 
-    def begin(self, tokens_per_row: int) -> None:
-        self.step = tokens_per_row
-        cols = torch.arange(self.length + tokens_per_row, device=self.pads.device)
-        rows = torch.arange(self.length, self.length + tokens_per_row, device=self.pads.device)
-        causal = cols[None, None, :] <= rows[None, :, None]
+    def begin(self, tokens_per_row: int, visible: int | None = None) -> None:
+        """The next forward brings `tokens_per_row` tokens a row and attends over the first `visible` columns
+        (default: all of them)."""
+        self.step, self.visible = tokens_per_row, visible or self.capacity
+        self.columns = self.length + torch.arange(tokens_per_row, device=self.pads.device)  # where they go
+        cols = torch.arange(self.visible, device=self.pads.device)
+        causal = cols[None, None, :] <= self.columns[None, :, None]
         real = cols[None, None, :] >= self.pads[:, None, None]
         # A padding row sees itself only: never a fully masked row, whose NaNs would reach the cache.
-        mask = (real & causal) | (cols[None, None, :] == rows[None, :, None])  # (B, T, L)
-        self.mask = mask.repeat(1, self.group, 1)[:, None]  # (B, 1, group * T, L): the folded query's rows
+        mask = (real & causal) | (cols[None, None, :] == self.columns[None, :, None])  # (B, T, visible)
+        self.mask = mask.repeat(1, self.group, 1)[:, None]  # (B, 1, group * T, visible): the folded query's rows
 
     def advance(self) -> None:
         self.length += self.step
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        batch, end, step = len(self.pads), self.length + self.step, self.step
+        batch, step = len(self.pads), self.step
         q, k, v = (x.unflatten(0, (batch, step)).transpose(1, 2) for x in (q, k, v))  # (B, heads, T, d)
-        self.keys[layer, :, :, self.length:end] = k
-        self.values[layer, :, :, self.length:end] = v
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(2, self.columns, k)
+        values.index_copy_(2, self.columns, v)
         kv_heads, head_dim = k.shape[1], k.shape[3]
         folded = q.reshape(batch, kv_heads, self.group * step, head_dim)  # query head h uses KV head h // group
-        out = F.scaled_dot_product_attention(folded, self.keys[layer, :, :, :end], self.values[layer, :, :, :end],
+        out = F.scaled_dot_product_attention(folded, keys[:, :, :self.visible], values[:, :, :self.visible],
                                              attn_mask=self.mask)
         return out.reshape(batch, kv_heads * self.group, step, head_dim).transpose(1, 2).flatten(0, 1)
 
 
-@torch.inference_mode()
+class LockstepDecoder:
+    """Greedy or sampled decoding of left-padded prompts together, one token a row per step, everything on the
+    device: a step records the last chosen token (-1 once a row has stopped), feeds it to the target and chooses
+    the next. Greedy steps on CUDA replay one captured graph (a step of a 30-layer model is a few hundred kernel
+    launches, which cost more than the step's arithmetic at this size)."""
+
+    WARM_UP_STEPS = 3  # run eagerly before capture: they are real steps, and they settle the allocator
+
+    def __init__(self, model: DecoderLM, prompts: Sequence[list[int]], max_new_tokens: int, stop_ids: set[int],
+                 temperature: float = 0.0, seed: int = 0, graphs: bool = True):
+        from treeserve.params import GenerationParams
+
+        device = model.device
+        self.model, self.max_new_tokens, self.temperature = model, max_new_tokens, temperature
+        # Sampling stays eager: a graph would replay its generator's draws.
+        self.graphs = graphs and device.type == "cuda" and temperature == 0
+        self.params = GenerationParams(temperature=temperature)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        self.width = int(lengths.max())
+        self.pads = self.width - lengths
+        self.attention = LockstepAttention(model.config, self.pads, self.width + max_new_tokens, model.dtype)
+        self.stops = torch.tensor(sorted(stop_ids) or [-1], device=device)
+        self.positions = lengths.clone()  # of the token fed at the next step
+        self.outputs = torch.full((len(prompts), max_new_tokens), -1, dtype=torch.long, device=device)
+        self.finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        self.step_index = torch.zeros(1, dtype=torch.long, device=device)
+        self.token = self._prefill(prompts)
+
+    def _prefill(self, prompts: Sequence[list[int]]) -> torch.Tensor:
+        device, width = self.model.device, self.width
+        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.tensor(prompt, device=device)
+        self.attention.begin(width, visible=width)
+        positions = (torch.arange(width, device=device)[None, :] - self.pads[:, None]).clamp(min=0)
+        last_rows = torch.arange(len(prompts), device=device) * width + width - 1
+        logits, _ = self.model(ids.flatten(), positions.flatten(), self.attention, logits_rows=last_rows)
+        self.attention.advance()
+        return self._choose(logits)
+
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+        from treeserve.sampling import target_probs
+
+        if self.temperature == 0:
+            return logits.argmax(dim=-1)
+        return torch.multinomial(target_probs(logits, self.params).float(), 1, generator=self.generator)[:, 0]
+
+    def _step(self) -> None:
+        """Record the chosen tokens, then feed them and choose the next ones (in place: a graph replays this)."""
+        self.outputs.index_copy_(1, self.step_index, torch.where(self.finished, -1, self.token)[:, None])
+        self.finished |= torch.isin(self.token, self.stops)
+        self.attention.begin(1)
+        logits, _ = self.model(self.token, self.positions, self.attention)
+        self.attention.advance()
+        self.token.copy_(self._choose(logits))
+        self.positions += 1
+        self.step_index += 1
+
+    def _graph(self):
+        """The step captured, once warm-up has run (None without graphs)."""
+        if not self.graphs:
+            return None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step()
+        return graph
+
+    @torch.inference_mode()
+    def run(self) -> list[list[int]]:
+        """The responses (stop token included): decodes until every row stopped or max_new_tokens."""
+        graph, steps = None, 0
+        while steps < self.max_new_tokens:
+            if graph is not None:
+                graph.replay()
+            else:
+                self._step()
+            steps += 1
+            if steps == self.WARM_UP_STEPS and steps < self.max_new_tokens:
+                graph = self._graph()
+            # Asking whether every row has finished waits for the GPU: only every 16 steps.
+            if steps % 16 == 0 and bool(self.finished.all()):
+                break
+        return [[t for t in row if t >= 0] for row in self.outputs[:, :steps].tolist()]
+
+
 def generate_padded(model: DecoderLM, prompts: Sequence[list[int]], max_new_tokens: int, stop_ids: set[int],
                     temperature: float = 0.0, seed: int = 0) -> list[list[int]]:
     """The responses (stop token included) to `prompts`, decoded together; greedy, or sampled at `temperature`
     from the target's distribution."""
-    from treeserve.params import GenerationParams
-    from treeserve.sampling import target_probs
-
-    device = model.device
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    width = int(lengths.max())
-    pads = width - lengths
-    ids = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt):] = torch.tensor(prompt, device=device)
-    attention = PaddedDecodeAttention(model.config, pads, width + max_new_tokens, model.dtype)
-    params = GenerationParams(temperature=temperature)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    stops = torch.tensor(sorted(stop_ids) or [-1], device=device)
-
-    def choose(logits: torch.Tensor) -> torch.Tensor:
-        if temperature == 0:
-            return logits.argmax(dim=-1)
-        return torch.multinomial(target_probs(logits, params).float(), 1, generator=generator)[:, 0]
-
-    attention.begin(width)
-    positions = (torch.arange(width, device=device)[None, :] - pads[:, None]).clamp(min=0)
-    last_rows = torch.arange(len(prompts), device=device) * width + width - 1
-    logits, _ = model(ids.flatten(), positions.flatten(), attention, logits_rows=last_rows)
-    attention.advance()
-    outputs, finished = [], torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    for step in range(max_new_tokens):
-        token = choose(logits)
-        outputs.append(torch.where(finished, -1, token))
-        finished |= torch.isin(token, stops)
-        # Asking whether every row has finished waits for the GPU: only every 16 steps.
-        if step == max_new_tokens - 1 or (step % 16 == 15 and bool(finished.all())):
-            break
-        attention.begin(1)
-        logits, _ = model(token, lengths + step, attention)
-        attention.advance()
-    table = torch.stack(outputs, dim=1).tolist()
-    return [[t for t in row if t >= 0] for row in table]
+    return LockstepDecoder(model, prompts, max_new_tokens, stop_ids, temperature, seed).run()
 
 
-# cuDNN attention builds a new plan for every new key length, 2 ms of CPU per call: decode steps, whose key
-# length grows by one each time, spent 90% of their time there on the H200. The fused kernels need no plan.
+# cuDNN attention builds a new plan for every new key length, 2 ms of CPU per call; the fused kernels need none.
 VARYING_LENGTH_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -386,7 +439,9 @@ def read_responses(path: Path, prompts: Sequence[list[int]]) -> dict[int, Sample
     for line in text.splitlines():
         record = json.loads(line)
         sample, index = Sample(tuple(record["tokens"]), record["prompt_length"]), record["index"]
-        if index >= len(prompts) or list(sample.tokens[:sample.prompt_length]) != prompts[index]:
+        if index >= len(prompts):  # the file answers a longer list of the same prompts (--limit)
+            continue
+        if list(sample.tokens[:sample.prompt_length]) != prompts[index]:
             raise TreeserveError(f"{path} holds responses to other prompts; delete it or use another --out")
         done[index] = sample
     return done
@@ -608,6 +663,8 @@ def settings_from_args(args) -> TrainSettings:
         loss_decay=args.loss_decay, log_every=args.log_every, eval_every=args.eval_every,
         save_every=args.save_every, seed=args.seed, save_dtype=getattr(torch, args.save_dtype))
     settings.validate()
+    if args.limit is not None and args.limit < 1:
+        raise TreeserveError(f"--limit must be at least 1, got {args.limit}")
     for name in ("held_out", "max_new_tokens", "gen_batch", "block_size", "layers", "target_layers"):
         minimum = 0 if name == "held_out" else 2 if name == "block_size" else 1
         if getattr(args, name) < minimum:
@@ -648,11 +705,12 @@ def prepare_data(args, target, block_size: int, records: list[dict], held_record
                                         model.config.max_context - args.max_new_tokens)
     generation = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       concurrency=args.gen_batch, seed=args.seed)
+    responses = args.responses or args.out / DATA_NAME
     if args.eval_data:
-        data = load_or_regenerate(args.out / DATA_NAME, model, tokenizer, train_ids, **generation)
+        data = load_or_regenerate(responses, model, tokenizer, train_ids, **generation)
         held_out = load_or_regenerate(args.out / EVAL_DATA_NAME, model, tokenizer, held_ids, **generation)
     else:
-        both = load_or_regenerate(args.out / DATA_NAME, model, tokenizer, train_ids + held_ids, **generation)
+        both = load_or_regenerate(responses, model, tokenizer, train_ids + held_ids, **generation)
         data, held_out = both[:len(train_ids)], both[len(train_ids):]
     data = [s for s in data if usable(s, block_size)]
     if not data:
@@ -664,7 +722,7 @@ def run(args) -> int:
     """`treeserve train-drafter`: regenerate (or reuse) the data, build or resume the drafter, train, save."""
     settings = settings_from_args(args)
     layer_ids = parse_layer_ids(args.target_layer_ids)
-    records = read_prompts(args.data)  # a bad prompts file fails before the target loads
+    records = read_prompts(args.data)[:args.limit]  # a bad prompts file fails before the target loads
     held_records = read_prompts(args.eval_data) if args.eval_data else []
     from treeserve.loading import load_target
 
@@ -674,6 +732,9 @@ def run(args) -> int:
     cfg = drafter_config(target.model.config, mask_id, args.layers, args.block_size, layer_ids, args.target_layers,
                          args.intermediate_size)
     data, held_out = prepare_data(args, target, cfg.block_size, records, held_records)
+    if args.regenerate_only:
+        log_stderr(f"train: {len(data)} training and {len(held_out)} held-out responses ready; not training")
+        return 0
     model = new_drafter(cfg, args.seed, target.model if args.init_from_target else None).to(target.model.device)
     log_stderr(f"train: drafter {cfg.layers.num_layers} layer(s), block {cfg.block_size}, target layers "
                f"{list(cfg.target_layer_ids)}, mask id {mask_id}, {len(data)} training / {len(held_out)} held-out "
