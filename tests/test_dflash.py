@@ -334,7 +334,7 @@ def test_acceptance_bench_reports_every_configuration_lossless(tmp_path, capsys)
     rows = json.loads(out.read_text())["rows"]
     assert [(r["drafter"], r["budget"]) for r in rows] == [
         ("ngram", 2), ("ngram", 8), ("dflash chain", 2), ("dflash chain", 8), ("dflash ddtree", 2),
-        ("dflash ddtree", 8)]
+        ("dflash ddtree", 8), ("merged", 2), ("merged", 8)]
     assert all(r["identical_to_plain"] == 2 and r["mean_accepted"] >= 1.0 for r in rows)
     assert "| dflash ddtree | 8 |" in capsys.readouterr().out
 

@@ -162,8 +162,8 @@ def test_flags_from_the_environment(monkeypatch):
     monkeypatch.setenv("TREESERVE_DRAFTER_LISTEN", "unix:///run/x.sock")
     monkeypatch.setenv("TREESERVE_DRAFTER_MAX_BUDGET", "64")
     args = parse_args(["--grace-s", "2.5"])
-    # --kind auto resolves to the DFlash drafter shipped for the default target.
-    assert (args.listen, args.max_budget, args.grace_s, args.kind) == ("unix:///run/x.sock", 64, 2.5, "dflash")
+    # --kind auto resolves to prompt lookup merged with the DFlash drafter shipped for the default target.
+    assert (args.listen, args.max_budget, args.grace_s, args.kind) == ("unix:///run/x.sock", 64, 2.5, "merged")
     monkeypatch.setenv("TREESERVE_DRAFTER_TARGET", "some/hf-folder")
     assert parse_args([]).kind == "ngram"  # no drafter ships for it
     assert parse_args(["--max-budget", "3"]).max_budget == 3  # the command line wins

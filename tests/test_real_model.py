@@ -80,8 +80,8 @@ def test_cli_drafters_equal_none_as_a_user_runs_it():
         assert done.returncode == 0, done.stderr
         outputs[drafter] = json.loads(done.stdout)
     assert outputs["ngram"]["token_ids"] == outputs["auto"]["token_ids"] == outputs["none"]["token_ids"]
-    # The default drafter for SmolLM2 is its shipped DFlash drafter with DDTree trees.
-    assert (outputs["auto"]["drafter"], outputs["auto"]["tree"]) == ("dflash", "ddtree")
+    # The default drafter for SmolLM2 is prompt lookup merged with its shipped DFlash drafter's DDTree trees.
+    assert (outputs["auto"]["drafter"], outputs["auto"]["tree"]) == ("merged", "ddtree")
     assert len(outputs["none"]["token_ids"]) == 64
     assert outputs["none"]["rounds"] == 63 and outputs["none"]["mean_accepted"] == 1.0
     assert outputs["ngram"]["rounds"] < 63

@@ -12,12 +12,13 @@ from treeserve.errors import TreeserveError
 from treeserve.params import GenerationParams
 from treeserve.tree import MAX_BUDGET
 
-DRAFTERS = ("auto", "none", "ngram", "dflash", "model")
+DRAFTERS = ("auto", "none", "ngram", "dflash", "merged", "model")
 TREES = ("chain", "ddtree")
-DRAFTER_HELP = ("auto (default): the DFlash drafter shipped for the target (smollm2-135m) with --tree, else ngram; "
-                "none: plain autoregressive decoding; ngram: prompt-lookup trees; dflash: a DFlash block drafter; "
-                "model: a small LM at --drafter-path")
-DRAFTER_PATH_HELP = ("dflash: a DFlash checkpoint folder (config.json + model.safetensors; default: the one "
+DRAFTER_HELP = ("auto (default): merged, with the DFlash drafter shipped for the target (smollm2-135m), else "
+                "ngram; none: plain autoregressive decoding; ngram: prompt-lookup trees; dflash: a DFlash block "
+                "drafter with --tree; merged: prompt lookup's best continuation, then the DFlash tree for the rest "
+                "of the budget; model: a small LM at --drafter-path")
+DRAFTER_PATH_HELP = ("dflash, merged: a DFlash checkpoint folder (config.json + model.safetensors; default: the one "
                      "shipped for the target); model: a draft model with the target's tokenizer (name, HF folder, "
                      ".gguf)")
 
@@ -284,7 +285,7 @@ def generate_on_rank(args, shard) -> int:
     from treeserve.verifier.tensor_parallel import Mirror, build_mirrored_verifier
 
     chosen, args.drafter = args.drafter, resolved_drafter(args)
-    if shard is not None and args.drafter == "dflash":  # it would run the target's sharded LM head on rank 0 alone
+    if shard is not None and args.drafter in ("dflash", "merged"):  # it would run the target's sharded LM head on rank 0 alone
         if chosen != "auto":
             raise TreeserveError("--tp: the DFlash drafter runs as its own service beside a tensor-parallel "
                                  "verifier; here use --drafter ngram, a draft model, or none")
@@ -319,7 +320,7 @@ def generate_on_rank(args, shard) -> int:
         "mean_accepted": round(result.mean_accepted, 4), "tokens_per_s": round(result.tokens_per_s, 3),
         "prefill_s": round(result.prefill_s, 4), "elapsed_s": round(result.elapsed_s, 4),
         "seed": result.seed, "target": args.target, "drafter": args.drafter,
-        "budget": args.budget if drafter else 0, **({"tree": args.tree} if args.drafter == "dflash" else {}),
+        "budget": args.budget if drafter else 0, **({"tree": args.tree} if args.drafter in ("dflash", "merged") else {}),
     }
     print_result(summary, args.json)
     return 0

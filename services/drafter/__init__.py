@@ -14,10 +14,11 @@ def shipped_dflash(target_spec: str | None) -> Path | None:
 
 
 def resolve_kind(kind: str, target_spec: str | None) -> str:
-    """`auto` is the target's shipped DFlash drafter where one ships, else n-gram; other kinds stay."""
+    """`auto` is prompt lookup merged with the target's shipped DFlash drafter where one ships, else n-gram; other
+    kinds stay."""
     if kind != "auto":
         return kind
-    return "dflash" if shipped_dflash(target_spec) else "ngram"
+    return "merged" if shipped_dflash(target_spec) else "ngram"
 
 
 def load_drafter(kind: str, path: str | None = None, tree: str = "ddtree", *, target=None,
@@ -34,9 +35,9 @@ def load_drafter(kind: str, path: str | None = None, tree: str = "ddtree", *, ta
     kind = resolve_kind(kind, spec)
     if kind == "ngram":
         return NgramDrafter()
-    if kind not in ("dflash", "model"):
-        raise TreeserveError(f"unknown drafter kind {kind!r} (use auto, ngram, dflash or model)")
-    if kind == "dflash" and not path:
+    if kind not in ("dflash", "merged", "model"):
+        raise TreeserveError(f"unknown drafter kind {kind!r} (use auto, ngram, dflash, merged or model)")
+    if kind in ("dflash", "merged") and not path:
         path = shipped_dflash(spec)
         if path is None:
             raise TreeserveError(f"no DFlash drafter ships for target {spec!r}: train one with `treeserve "
@@ -57,4 +58,8 @@ def load_drafter(kind: str, path: str | None = None, tree: str = "ddtree", *, ta
                                        kv_cache_tokens=kv_cache_tokens, graphs=graphs)
     if graphs:
         drafter.capture()
+    if kind == "merged":
+        from treeserve.drafter.merged import MergedDrafter
+
+        return MergedDrafter(drafter)
     return drafter

@@ -20,7 +20,7 @@ from treeserve.errors import TreeserveError
 from treeserve.tree import MAX_BUDGET
 
 PROG = "python -m treeserve.drafter"
-KINDS = ("auto", "ngram", "dflash", "model")
+KINDS = ("auto", "ngram", "dflash", "merged", "model")
 TREES = ("chain", "ddtree")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -49,20 +49,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--listen", default=env("listen", serving.default_address("drafter")),
                         help="unix:///path/to.sock or host:port (default %(default)s)")
     parser.add_argument("--kind", default=env("kind", "auto"),
-                        help="auto (default): the DFlash drafter shipped for --target (smollm2-135m), else ngram; "
-                             "ngram: prompt-lookup trees; dflash: a DFlash block drafter; model: the small LM at "
-                             "--drafter-path")
+                        help="auto (default): merged, with the DFlash drafter shipped for --target (smollm2-135m), "
+                             "else ngram; ngram: prompt-lookup trees; dflash: a DFlash block drafter; merged: prompt "
+                             "lookup's best continuation, then the DFlash tree for the rest of the budget; model: the "
+                             "small LM at --drafter-path")
     parser.add_argument("--drafter-path", default=env("drafter-path"),
-                        help="dflash: the checkpoint folder (default: the one shipped for --target); model: the "
+                        help="dflash, merged: the checkpoint folder (default: the one shipped for --target); model: the "
                              "draft model (name, HF folder, .gguf)")
     parser.add_argument("--target", default=env("target", "smollm2-135m"),
-                        help="dflash, model: the verifier's model (name, HF folder or .gguf); DFlash uses its "
+                        help="dflash, merged, model: the verifier's model (name, HF folder or .gguf); DFlash uses its "
                              "embedding and LM head, a draft model must share its tokenizer (default %(default)s)")
     parser.add_argument("--tree", default=env("tree", "ddtree"),
-                        help="dflash: chain (the argmax path) or ddtree (the best tree for the budget; default)")
-    parser.add_argument("--device", default=env("device", "cpu"), help="dflash, model: cpu or cuda (default cpu)")
+                        help="dflash, merged: chain (the argmax path) or ddtree (the best tree for the budget; default)")
+    parser.add_argument("--device", default=env("device", "cpu"), help="dflash, merged, model: cpu or cuda (default cpu)")
     parser.add_argument("--dtype", default=env("dtype", "float32"),
-                        help="dflash, model: float32 (default) or bfloat16")
+                        help="dflash, merged, model: float32 (default) or bfloat16")
     parser.add_argument("--kv-cache-tokens", type=number(int, 0), default=env("kv-cache-tokens", 0),
                         help="dflash: context tokens its pool holds over all requests (default 0: 262144 on "
                              "cuda, 32768 on the CPU)")

@@ -1,9 +1,9 @@
 """python -m treeserve.drafter.acceptance_bench: mean accepted length of drafters side by side, greedy.
 
 Loads the target once and generates every prompt of a JSONL file ({"prompt": ..., "chat": bool} per line) with
-plain decoding, the n-gram drafter, and a DFlash checkpoint as chain and as DDTree at each budget. Reports per
-configuration the tokens per round (bonus included: 1.0 is plain decoding) over all prompts, and how many
-outputs equal plain decoding token for token. Writes JSON with --out and prints a Markdown table.
+plain decoding, the n-gram drafter, and a DFlash checkpoint as chain, as DDTree and merged with prompt lookup at
+each budget. Reports per configuration the tokens per round (bonus included: 1.0 is plain decoding) over all
+prompts, and how many outputs equal plain decoding token for token. Writes JSON with --out and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def configurations(args) -> list[tuple[str, str, int]]:
     configs = [("ngram", "ngram", budget) for budget in args.budgets]
     if args.drafter_path:
         configs += [(f"dflash {tree}", tree, budget) for tree in ("chain", "ddtree") for budget in args.budgets]
+        configs += [("merged", "merged", budget) for budget in args.budgets]
     return configs
 
 
@@ -41,6 +42,7 @@ def run(args) -> dict:
     if args.drafter_path:
         for tree in ("chain", "ddtree"):
             drafters[tree] = load_drafter("dflash", args.drafter_path, tree, target=target)
+        drafters["merged"] = load_drafter("merged", args.drafter_path, "ddtree", target=target)
     plain = [generate(target.model, tok, ids, params).token_ids for ids in encoded]
     rows = []
     results = {"command": " ".join(["python -m treeserve.drafter.acceptance_bench", *args.argv]),

@@ -25,7 +25,7 @@ from treeserve.serving import free_port
 from treeserve.telemetry import round_phase_means, round_totals
 
 DRAFTER_CONFIGS = {"ngram": ("ngram", "ddtree"), "dflash-chain": ("dflash", "chain"),
-                   "dflash-ddtree": ("dflash", "ddtree")}
+                   "dflash-ddtree": ("dflash", "ddtree"), "merged": ("merged", "ddtree")}
 
 
 async def run_requests(gateway: str, prompts: list[dict], params: GenerationParams, speculate: bool) -> dict:

@@ -1,0 +1,76 @@
+"""One tree from two drafters: prompt lookup's best continuation, then DFlash's tree for the rest of the budget.
+
+Prompt lookup (n-gram) is right for long stretches where an answer copies its prompt or itself, and proposes
+nothing elsewhere; DFlash drafts new text. Each round the merged tree takes the n-gram drafter's best continuation
+as a chain (at most half the budget, so DFlash always keeps the other half), then the best DFlash tree of the
+budget left, merged in as a trie: a DFlash node that repeats the chain's prefix is the chain's node, so its
+subtree hangs from the chain. Where lookup finds nothing, the whole budget is DFlash's.
+"""
+
+from __future__ import annotations
+
+from treeserve.drafter.ngram import NgramDrafter
+from treeserve.tree import DraftTree, TokenContext
+
+
+class MergedContext:
+    """A request's context in both drafters: the lookup index of its tokens and the DFlash context."""
+
+    def __init__(self, dflash_context):
+        self.lookup = TokenContext()
+        self.dflash = dflash_context
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.lookup.tokens
+
+
+class MergedDrafter:
+    name = "merged"
+
+    def __init__(self, dflash, ngram: NgramDrafter | None = None):
+        self.dflash, self.ngram = dflash, ngram or NgramDrafter()
+        self.feature_layer_ids, self.feature_size = dflash.feature_layer_ids, dflash.feature_size
+
+    def new_context(self) -> MergedContext:
+        return MergedContext(self.dflash.new_context())
+
+    def extend(self, context: MergedContext, tokens: list[int], features=None) -> None:
+        self.dflash.extend(context.dflash, tokens, features)  # first: it may refuse (DraftPoolFull)
+        context.lookup.add(tokens)
+
+    def release(self, context: MergedContext) -> None:
+        self.dflash.release(context.dflash)
+
+    def propose(self, contexts: list[MergedContext], budgets: list[int]) -> list[DraftTree]:
+        chains = [self.lookup_chain(context, budget) for context, budget in zip(contexts, budgets)]
+        trees = self.dflash.propose([c.dflash for c in contexts], [b - len(c) for b, c in zip(budgets, chains)])
+        return [merge(context.tokens[-1], chain, tree) for context, chain, tree in zip(contexts, chains, trees)]
+
+    def lookup_chain(self, context: MergedContext, budget: int) -> list[int]:
+        """The n-gram drafter's best continuation, at most half the budget (none at budget 1: DFlash's own
+        first guess is the better single token)."""
+        found = self.ngram.continuations(context.lookup, budget // 2) if budget >= 2 else []
+        return found[0] if found else []
+
+
+def merge(root: int, chain: list[int], tree: DraftTree) -> DraftTree:
+    """`chain` below the root, then `tree`'s nodes (parents before children) merged in as a trie."""
+    tokens, parents = [root], [-1]
+    node_of: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+
+    def add(parent: int, token: int) -> int:
+        node = node_of.get((parent, token))
+        if node is None:
+            node = node_of[(parent, token)] = len(tokens)
+            tokens.append(token)
+            parents.append(parent)
+        return node
+
+    node = 0
+    for token in chain:
+        node = add(node, token)
+    merged_of = [0]  # tree node -> merged node
+    for token, parent in zip(tree.tokens[1:], tree.parents[1:]):
+        merged_of.append(add(merged_of[parent], token))
+    return DraftTree(tokens, parents)

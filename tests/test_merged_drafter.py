@@ -1,0 +1,62 @@
+"""The merged drafter: prompt lookup's best continuation, then the DFlash tree for the rest of the budget."""
+
+import pytest
+
+from random_targets import ENGINE_FAMILIES, random_dflash_drafter, random_target, target_features, word_tokenizer
+from treeserve.drafter.merged import MergedDrafter, merge
+from treeserve.params import GenerationParams
+from treeserve.tree import DraftTree
+from treeserve.verifier import generate
+
+VOCAB = 64  # random_dflash_drafter's mask token is VOCAB - 1
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes
+
+
+def token_paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    paths = [()]
+    for node in range(1, tree.size):
+        paths.append(paths[tree.parents[node]] + (tree.tokens[node],))
+    return paths[1:]
+
+
+def test_merge_puts_the_chain_first_and_shares_its_prefix_with_the_tree():
+    # The tree's first branch repeats the chain's first two tokens: its nodes become the chain's, and the
+    # tree's deeper node hangs from the chain.
+    tree = DraftTree([9, 1, 2, 5, 7], [-1, 0, 1, 2, 0])  # 9 -> 1 -> 2 -> 5, 9 -> 7
+    merged = merge(9, [1, 2, 3], tree)
+    merged.validate(VOCAB)
+    assert merged.tokens[:4] == [9, 1, 2, 3] and merged.parents[:4] == [-1, 0, 1, 2]
+    assert set(token_paths(merged)) == {(1,), (1, 2), (1, 2, 3), (1, 2, 5), (7,)}
+    assert merge(9, [], tree) == tree  # no continuation: the tree as it is
+
+
+def test_merged_trees_hold_the_lookup_continuation_and_keep_to_the_budget():
+    target = random_target("llama", seed=2, vocab_size=VOCAB, weight_scale=2.0)
+    drafter = MergedDrafter(random_dflash_drafter(target, "ddtree"))
+    tokens = [4, 5, 6, 7, 8, 9, 4, 5, 6]
+    context = drafter.new_context()
+    drafter.extend(context, tokens, target_features(target, tokens[:-1], (0, 1)))
+    for budget in (1, 2, 5, 8, 16):
+        (tree,) = drafter.propose([context], [budget])
+        tree.validate(VOCAB)
+        assert tree.tokens[0] == context.tokens[-1] and 1 <= tree.size - 1 <= budget
+        chain = drafter.lookup_chain(context, budget)
+        assert len(chain) <= budget // 2
+        if budget >= 2:  # "4 5 6" occurred before, followed by 7 8 9 ...
+            assert chain == [7, 8, 9, 4, 5, 6][:budget // 2]
+            assert token_paths(tree)[:len(chain)] == [tuple(chain[:i + 1]) for i in range(len(chain))]
+    drafter.release(context)
+    assert drafter.dflash.pool.allocator.free_count == drafter.dflash.pool.allocator.num_blocks
+
+
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_merged_speculation_is_lossless(family):
+    target = random_target(family, seed=3, vocab_size=VOCAB, weight_scale=2.0)
+    tokenizer = word_tokenizer(VOCAB)
+    params = GenerationParams(max_new_tokens=24, ignore_eos=True)
+    for prompt in ([1, 2, 3, 4, 5], [7, 7, 9, 7, 7, 9, 7]):
+        plain = generate(target, tokenizer, prompt, params).token_ids
+        for budget in (1, 5, 16):
+            drafter = MergedDrafter(random_dflash_drafter(target, "ddtree"))
+            assert generate(target, tokenizer, prompt, params, drafter, budget).token_ids == plain, (prompt, budget)
