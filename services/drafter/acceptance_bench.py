@@ -2,8 +2,10 @@
 
 Loads the target once and generates every prompt of a JSONL file ({"prompt": ..., "chat": bool} per line) with
 plain decoding, the n-gram drafter, and a DFlash checkpoint as chain, as DDTree and merged with prompt lookup at
-each budget. Reports per configuration the tokens per round (bonus included: 1.0 is plain decoding) over all
-prompts, and how many outputs equal plain decoding token for token. Writes JSON with --out and prints a Markdown table.
+each budget (--drafters picks among them). Reports per configuration the tokens per round (bonus included: 1.0
+is plain decoding) over all prompts, and how many outputs equal plain decoding token for token. On a GPU the
+verifier and the DFlash drafter replay CUDA graphs, as `treeserve generate` does. Writes JSON with --out and
+prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ from treeserve.cli import OneLineErrorParser
 from treeserve.errors import TreeserveError
 
 
+DRAFTERS = {"ngram": "ngram", "chain": "dflash chain", "ddtree": "dflash ddtree", "merged": "merged"}  # -> label
+
+
 def configurations(args) -> list[tuple[str, str, int]]:
     """(label, kind, budget) in table order."""
-    configs = [("ngram", "ngram", budget) for budget in args.budgets]
-    if args.drafter_path:
-        configs += [(f"dflash {tree}", tree, budget) for tree in ("chain", "ddtree") for budget in args.budgets]
-        configs += [("merged", "merged", budget) for budget in args.budgets]
-    return configs
+    kinds = [k for k in DRAFTERS if k in args.drafters and (k == "ngram" or args.drafter_path)]
+    return [(DRAFTERS[kind], kind, budget) for kind in kinds for budget in args.budgets]
 
 
 def run(args) -> dict:
@@ -31,19 +33,21 @@ def run(args) -> dict:
     from treeserve.drafter.corpus import encode_prompts, read_prompts
     from treeserve.loading import load_target
     from treeserve.params import GenerationParams
-    from treeserve.verifier import generate
 
     records = read_prompts(args.prompts)[:args.limit]  # a bad prompts file fails before the target loads
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     tok = target.tokenizer
     encoded = encode_prompts(tok, records)
     params = GenerationParams(max_new_tokens=args.max_new_tokens)
+    graphs = args.device == "cuda"
     drafters = {"ngram": load_drafter("ngram")}
     if args.drafter_path:
-        for tree in ("chain", "ddtree"):
-            drafters[tree] = load_drafter("dflash", args.drafter_path, tree, target=target)
-        drafters["merged"] = load_drafter("merged", args.drafter_path, "ddtree", target=target)
-    plain = [generate(target.model, tok, ids, params).token_ids for ids in encoded]
+        for kind, tree in (("chain", "chain"), ("ddtree", "ddtree"), ("merged", "ddtree")):
+            if kind in args.drafters:
+                drafters[kind] = load_drafter("dflash" if kind != "merged" else "merged", args.drafter_path, tree,
+                                              target=target, max_batch=1, graphs=graphs)
+    verifiers = one_request_verifiers(target.model, drafters.values(), encoded, args) if graphs else {}
+    plain = [run_one(target, ids, params, None, 0, verifiers.get(())).token_ids for ids in encoded]
     rows = []
     results = {"command": " ".join(["python -m treeserve.drafter.acceptance_bench", *args.argv]),
                "target": args.target, "drafter_path": str(args.drafter_path or ""),
@@ -51,8 +55,9 @@ def run(args) -> dict:
                "prompts_file": str(args.prompts), "rows": rows}
     for label, kind, budget in configurations(args):
         started, rounds, tokens, identical = time.perf_counter(), 0, 0, 0
+        drafter = drafters[kind]
         for ids, reference in zip(encoded, plain):
-            result = generate(target.model, tok, ids, params, drafters[kind], budget)
+            result = run_one(target, ids, params, drafter, budget, verifiers.get(tuple(drafter.feature_layer_ids)))
             rounds, tokens = rounds + result.rounds, tokens + result.round_tokens
             identical += result.token_ids == reference
         rows.append({"drafter": label, "budget": budget, "mean_accepted": tokens / max(rounds, 1),
@@ -65,6 +70,34 @@ def run(args) -> dict:
     return results
 
 
+def one_request_verifiers(model, drafters, encoded: list[list[int]], args) -> dict:
+    """On a GPU, one verifier per set of feature layers the drafters read, its CUDA graphs captured once for one
+    request and every tree size up to the largest budget, as `treeserve generate` verifies."""
+    from treeserve.verifier.graphs import build_verifier
+
+    largest = max(args.budgets)
+    verifiers = {}
+    for layers in {()} | {tuple(d.feature_layer_ids) for d in drafters}:
+        verifier = build_verifier(model, max_batch=1, graphs=True, max_tree=largest + 1,
+                                  kv_cache_tokens=max(map(len, encoded)) + args.max_new_tokens + largest + 1)
+        verifier.capture(layers)
+        verifiers[layers] = verifier
+    return verifiers
+
+
+def run_one(target, prompt_ids: list[int], params, drafter, budget: int, verifier):
+    """One request to the end; its KV blocks and draft context go back, so the next prompt finds them free."""
+    from treeserve.verifier import Generation
+
+    generation = Generation(target.model, target.tokenizer, prompt_ids, params, drafter, budget, verifier=verifier)
+    try:
+        while not generation.finished:
+            generation.step()
+        return generation.result()
+    finally:
+        generation.release()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineErrorParser(prog="python -m treeserve.drafter.acceptance_bench", description=__doc__)
     parser.add_argument("--target", default="smollm2-135m")
@@ -72,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=Path, required=True, help="JSONL of {\"prompt\", \"chat\"}")
     parser.add_argument("--limit", type=int, help="use the first N prompts")
     parser.add_argument("--budgets", default="8,16,32,64", help="comma-separated (default 8,16,32,64)")
+    parser.add_argument("--drafters", default=",".join(DRAFTERS),
+                        help=f"comma-separated, of {', '.join(DRAFTERS)} (default all; all but ngram need "
+                             "--drafter-path)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -82,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         args.budgets = [int(b) for b in args.budgets.split(",")]
     except ValueError:
         parser.error(f"--budgets: {args.budgets!r} is not a comma-separated list of numbers")
+    args.drafters = args.drafters.split(",")
+    unknown = [d for d in args.drafters if d not in DRAFTERS]
+    if unknown:
+        parser.error(f"--drafters: unknown {', '.join(unknown)}; choose from {', '.join(DRAFTERS)}")
     try:
         results = run(args)
     except TreeserveError as error:
