@@ -99,7 +99,8 @@ def random_dflash_drafter(target: DecoderLM, tree: str, seed: int = 0, block_siz
                          rms_norm_eps=1e-6, rope_theta=10000.0, max_context=cfg.max_context,
                          tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = DFlashModel(DFlashConfig(layers, block_size, (0, 1), cfg.vocab_size - 1)).eval().requires_grad_(False)
+    config = DFlashConfig(layers, block_size, (0, 1), cfg.vocab_size - 1, cfg.num_layers)
+    model = DFlashModel(config).eval().requires_grad_(False)
     return DFlashDrafter(model, target.model.embed_tokens.weight, target.lm_head.weight, tree)
 
 

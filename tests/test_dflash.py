@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import json
 import math
+from fractions import Fraction
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from treeserve.drafter.dflash import default_target_layer_ids, load_dflash, save_dflash
+from treeserve.drafter.dflash import config_from_json, default_target_layer_ids, load_dflash, save_dflash
 from treeserve.errors import TreeserveError
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS, BLOCK = 48, 4, 2, 16, 80, 2, 5
 TARGET_LAYERS = (1, 3, 5)
+TARGET_DEPTH = 8  # the layer count of the target the fixture's drafter was made for
 EPS, THETA = 1e-6, 10000.0
 
 
@@ -24,6 +26,7 @@ def zlab_config() -> dict:
             "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
             "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "rms_norm_eps": EPS, "rope_theta": THETA,
             "max_position_embeddings": 512, "vocab_size": 100, "block_size": BLOCK, "attention_bias": False,
+            "num_target_layers": TARGET_DEPTH,
             "dflash_config": {"target_layer_ids": list(TARGET_LAYERS), "mask_token_id": 99}}
 
 
@@ -208,6 +211,82 @@ def test_default_target_layers_spread_from_1_to_l_minus_3():
     assert default_target_layer_ids(36, 5)[0] == 1 and default_target_layer_ids(36, 5)[-1] == 33
 
 
+# -------------------------------------------------------------- the reference's config rules (z-lab/dflash)
+
+# What the reference's loaders index config.json for (its MLX loader fails on any of them missing).
+REFERENCE_SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                          "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta",
+                          "max_position_embeddings")
+
+
+def reference_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The reference's default: one target layer per draft layer, spread from 1 to L - 3 (the middle one for a
+    single draft layer), rounded half to even; exact fractions here, floats there (same result at these sizes)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    step = Fraction(num_target_layers - 4, num_draft_layers - 1)
+    return [round(1 + i * step) for i in range(num_draft_layers)]
+
+
+def reference_reads(raw: dict) -> dict:
+    """What the reference's draft model takes from config.json, by its rules: `dflash_config` must be there,
+    `num_target_layers` is read even where the ids are given, and missing ids default from it."""
+    dflash = raw["dflash_config"]
+    depth = raw["num_target_layers"]
+    layer_ids = dflash.get("target_layer_ids", reference_layer_ids(depth, raw["num_hidden_layers"]))
+    return {**{key: raw[key] for key in REFERENCE_SHAPE_FIELDS}, "num_target_layers": depth,
+            "block_size": raw["block_size"], "target_layer_ids": list(layer_ids),
+            "mask_token_id": dflash["mask_token_id"]}
+
+
+def as_reference_fields(cfg) -> dict:
+    """Our config, under the names reference_reads gives."""
+    c = cfg.layers
+    return {"hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+            "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+            "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta, "max_position_embeddings": c.max_context,
+            "num_target_layers": cfg.num_target_layers, "block_size": cfg.block_size,
+            "target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id}
+
+
+def test_a_saved_checkpoint_reads_the_same_by_the_reference_rules(checkpoint, tmp_path):
+    folder, _ = checkpoint
+    save_dflash(load_dflash(folder), tmp_path / "copy", dtype=torch.float32)
+    raw = json.loads((tmp_path / "copy" / "config.json").read_text())
+    assert raw["num_target_layers"] == TARGET_DEPTH
+    assert reference_reads(raw) == as_reference_fields(load_dflash(tmp_path / "copy").config)
+
+
+def test_the_shipped_checkpoint_records_its_target_layer_count():
+    from treeserve.drafter import shipped_dflash
+
+    raw = json.loads((shipped_dflash("smollm2-135m") / "config.json").read_text())
+    assert reference_reads(raw)["target_layer_ids"] == [1, 14, 27] and raw["num_target_layers"] == 30
+    assert as_reference_fields(config_from_json(raw)) == reference_reads(raw)
+
+
+@pytest.mark.parametrize("depth, draft_layers", [(30, 1), (30, 2), (30, 3), (30, 5), (36, 5), (8, 4), (28, 6)])
+def test_missing_target_layer_ids_default_as_the_reference_does(depth, draft_layers):
+    raw = zlab_config() | {"num_target_layers": depth, "num_hidden_layers": draft_layers}
+    del raw["dflash_config"]["target_layer_ids"]
+    want = reference_layer_ids(depth, draft_layers)
+    assert list(config_from_json(raw).target_layer_ids) == want
+    del raw["num_target_layers"]  # an older config: the target's layer count comes from the target
+    assert list(config_from_json(raw, num_target_layers=depth).target_layer_ids) == want
+
+
+def test_the_target_layer_count_is_checked_and_needed_for_default_ids():
+    raw = zlab_config()
+    with pytest.raises(TreeserveError, match="made for a target of 8 layers; this one has 30"):
+        config_from_json(raw, num_target_layers=30)
+    with pytest.raises(TreeserveError, match="reads target layer 5, but the target has 4"):
+        config_from_json(raw | {"num_target_layers": 4})
+    del raw["num_target_layers"], raw["dflash_config"]["target_layer_ids"]
+    with pytest.raises(TreeserveError, match="needs dflash_config.target_layer_ids or num_target_layers"):
+        config_from_json(raw)
+
+
 # ------------------------------------------------------------------------------- drafting inside the engine
 
 from random_targets import ENGINE_FAMILIES, random_dflash_drafter, random_target, target_features, word_tokenizer  # noqa: E402,E501
@@ -291,6 +370,23 @@ def test_oracle_block_distributions_give_long_accepted_paths_and_the_same_tokens
     result = generate(target, tokenizer, prompt, params, drafter, budget=8)
     assert result.token_ids == plain
     assert result.mean_accepted > 4
+
+
+def test_a_config_without_the_target_layer_count_takes_the_targets(tmp_path):
+    """Checkpoints written before the count was recorded load for a target, which gives it, and save with it."""
+    from treeserve.drafter.dflash import DFlashDrafter
+
+    target = random_target("qwen3", seed=4, vocab_size=VOCAB)
+    save_dflash(random_dflash_drafter(target, "chain").model, tmp_path / "old", dtype=torch.float32)
+    written = json.loads((tmp_path / "old" / "config.json").read_text())
+    assert written["num_target_layers"] == target.config.num_layers
+    (tmp_path / "old" / "config.json").write_text(json.dumps({k: v for k, v in written.items()
+                                                             if k != "num_target_layers"}))
+    with pytest.raises(TreeserveError, match="layer count"):
+        save_dflash(load_dflash(tmp_path / "old"), tmp_path / "again")
+    drafter = DFlashDrafter.for_target(tmp_path / "old", target, "chain")
+    save_dflash(drafter.model, tmp_path / "again", dtype=torch.float32)
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == written
 
 
 def test_generate_command_with_a_dflash_checkpoint(tmp_path, capsys):

@@ -10,9 +10,10 @@ final norm, then the target's own LM head, give a distribution for each of the n
 block's embeddings also come from the target, so the checkpoint holds neither an embedding nor an LM head.
 On a GPU the block forward replays a CUDA graph per batch bucket, as the verifier's trees do.
 
-Checkpoints follow the z-lab layout: config.json (Qwen3-style fields, `block_size`, and
+Checkpoints follow the z-lab layout: config.json (Qwen3-style fields, `block_size`, `num_target_layers` and
 `dflash_config.target_layer_ids` / `dflash_config.mask_token_id`) and safetensors named fc.weight,
-hidden_norm.weight, layers.N.*, norm.weight.
+hidden_norm.weight, layers.N.*, norm.weight. Missing target_layer_ids default as the reference's do, one per
+draft layer (default_target_layer_ids).
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ log = logging.getLogger("treeserve.drafter")
 
 
 def default_target_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
-    """`count` layers spread evenly from layer 1 to layer L - 3, as DFlash chooses them by default."""
+    """`count` layers spread evenly from layer 1 to layer L - 3 (the middle layer when count is 1), as DFlash
+    chooses them by default; a config without target_layer_ids takes count = its number of draft layers."""
+    if count == 1 and num_target_layers >= 1:
+        return (num_target_layers // 2,)
     if count < 1 or num_target_layers < 4:
         raise TreeserveError(f"cannot pick {count} feature layers from a {num_target_layers}-layer target")
-    if count == 1:
-        return (num_target_layers // 2,)
     return tuple(round(1 + i * (num_target_layers - 4) / (count - 1)) for i in range(count))
 
 
@@ -57,6 +59,7 @@ class DFlashConfig:
     block_size: int  # root + (block_size - 1) drafted positions
     target_layer_ids: tuple[int, ...]  # target layers whose outputs form the context, 0-based
     mask_token_id: int
+    num_target_layers: int | None  # the target's layer count; None: an older config, loaded without a target
 
     @property
     def feature_size(self) -> int:
@@ -64,6 +67,9 @@ class DFlashConfig:
 
     def to_json(self) -> dict:
         """config.json in the z-lab layout."""
+        if self.num_target_layers is None:  # the reference cannot load a config without it
+            raise TreeserveError("the target's layer count is unknown; load the drafter for its target "
+                                 "(DFlashDrafter.for_target, or load_dflash with num_target_layers) to save it")
         c = self.layers
         return {
             "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
@@ -72,17 +78,39 @@ class DFlashConfig:
             "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
             "rope_theta": c.rope_theta, "max_position_embeddings": c.max_context, "vocab_size": c.vocab_size,
             "attention_bias": False, "tie_word_embeddings": False, "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
             "dflash_config": {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id},
         }
 
 
-def config_from_json(raw: dict, source: str = "config.json") -> DFlashConfig:
+def target_layer_count(raw: dict, num_target_layers: int | None, source: str) -> int | None:
+    """The target's layer count: the config's, else the one given (the target's); they must agree."""
+    recorded = raw.get("num_target_layers")
+    if recorded is not None and num_target_layers is not None and int(recorded) != num_target_layers:
+        raise TreeserveError(f"{source}: made for a target of {recorded} layers; this one has {num_target_layers}")
+    return int(recorded) if recorded is not None else num_target_layers
+
+
+def context_layer_ids(raw: dict, target_layers: int | None, draft_layers: int, source: str) -> tuple[int, ...]:
+    """The config's target_layer_ids, else the reference's default for its draft layers; all inside the target."""
+    ids = (raw.get("dflash_config") or {}).get("target_layer_ids", raw.get("target_layer_ids"))
+    if ids is None and target_layers is None:
+        raise TreeserveError(f"{source}: needs dflash_config.target_layer_ids or num_target_layers (to default them)")
+    ids = default_target_layer_ids(target_layers, draft_layers) if ids is None else tuple(int(i) for i in ids)
+    outside = [i for i in ids if target_layers is not None and not 0 <= i < target_layers]
+    if outside:
+        raise TreeserveError(f"{source}: the drafter reads target layer {outside[0]}, but the target has "
+                             f"{target_layers}")
+    return ids
+
+
+def config_from_json(raw: dict, source: str = "config.json", num_target_layers: int | None = None) -> DFlashConfig:
+    """A DFlash config.json; `num_target_layers` (the target's) stands in where the config does not record it."""
     dflash = raw.get("dflash_config") or {}
-    layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
     mask_token_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
-    if layer_ids is None or mask_token_id is None:
-        raise TreeserveError(f"{source}: not a DFlash config (needs dflash_config.target_layer_ids and "
-                             "dflash_config.mask_token_id)")
+    if mask_token_id is None:
+        raise TreeserveError(f"{source}: not a DFlash config (needs dflash_config.mask_token_id)")
+    target_layers = target_layer_count(raw, num_target_layers, source)
     if any(kind != "full_attention" for kind in raw.get("layer_types") or ()) or raw.get("is_causal"):
         raise TreeserveError(f"{source}: only non-causal full-attention DFlash layers are supported")
     if raw.get("attention_bias"):
@@ -92,7 +120,8 @@ def config_from_json(raw: dict, source: str = "config.json") -> DFlashConfig:
     block_size = int(dflash.get("block_size", raw.get("block_size", 16)))
     if block_size < 2:
         raise TreeserveError(f"{source}: block_size must be at least 2, got {block_size}")
-    return DFlashConfig(layers, block_size, tuple(int(i) for i in layer_ids), int(mask_token_id))
+    layer_ids = context_layer_ids(raw, target_layers, layers.num_layers, source)
+    return DFlashConfig(layers, block_size, layer_ids, int(mask_token_id), target_layers)
 
 
 class DFlashModel(nn.Module):
@@ -151,15 +180,16 @@ class DFlashModel(nn.Module):
         return self.norm(x)
 
 
-def load_dflash(path: str | Path, device: str | torch.device = "cpu",
-                dtype: torch.dtype = torch.float32) -> DFlashModel:
-    """A DFlash checkpoint folder (config.json + model.safetensors or a sharded index)."""
+def load_dflash(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                num_target_layers: int | None = None) -> DFlashModel:
+    """A DFlash checkpoint folder (config.json + model.safetensors or a sharded index), for a target of
+    `num_target_layers` layers where known."""
     import safetensors
 
     folder = Path(path)
     if not (folder / CONFIG_NAME).is_file():
         raise TreeserveError(f"{folder}: no DFlash checkpoint here (config.json is missing)")
-    cfg = config_from_json(read_json(folder / CONFIG_NAME), str(folder / CONFIG_NAME))
+    cfg = config_from_json(read_json(folder / CONFIG_NAME), str(folder / CONFIG_NAME), num_target_layers)
     with torch.device("meta"):
         model = DFlashModel(cfg)
     try:
@@ -238,11 +268,7 @@ class DFlashDrafter:
     def for_target(cls, path: str | Path, target_model, tree: str = "ddtree", **options) -> "DFlashDrafter":
         """Load the checkpoint at `path` onto the target's device and dtype, borrowing its embedding and
         LM head (`options`: the constructor's). Raises TreeserveError when the drafter does not fit the target."""
-        model = load_dflash(path, target_model.device, target_model.dtype)
-        layers = target_model.config.num_layers
-        bad = [i for i in model.config.target_layer_ids if not 0 <= i < layers]
-        if bad:
-            raise TreeserveError(f"{path}: the drafter reads target layer {bad[0]}, but the target has {layers}")
+        model = load_dflash(path, target_model.device, target_model.dtype, target_model.config.num_layers)
         return cls(model, target_model.model.embed_tokens.weight, target_model.lm_head.weight, tree,
                    max_context=target_model.config.max_context, **options)
 

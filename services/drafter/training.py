@@ -83,7 +83,7 @@ def drafter_config(target: ModelConfig, mask_token_id: int, layers: int = 1, blo
     layer_cfg = dataclasses.replace(target, family="qwen3", num_layers=layers, tie_word_embeddings=False,
                                     intermediate_size=intermediate_size or target.intermediate_size,
                                     rope_scaling=None, rope_freq_factors=None)
-    return DFlashConfig(layer_cfg, block_size, ids, mask_token_id)
+    return DFlashConfig(layer_cfg, block_size, ids, mask_token_id, target.num_layers)
 
 
 def new_drafter(cfg: DFlashConfig, seed: int = 0, init_from: DecoderLM | None = None) -> DFlashModel:

@@ -192,7 +192,8 @@ class DecoderLM(nn.Module):
         hidden_layer_ids: Sequence[int] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids, positions: (N,). Returns logits (float32) for `logits_rows` (all rows when None), and the
-        hidden state after each layer in `hidden_layer_ids` (0-based; the output of that decoder layer), (N, hidden).
+        hidden state after each layer in `hidden_layer_ids` (0-based; the output of that decoder layer, and for the
+        last layer that output after the final norm), (N, hidden).
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.rope_inv_freq, positions, x.dtype)
@@ -202,6 +203,9 @@ class DecoderLM(nn.Module):
             x = layer(x, cos, sin, attention)
             if i in wanted:
                 hidden[i] = x
+        last = len(self.model.layers) - 1
+        if last in wanted:  # what Hugging Face's hidden_states[L] holds, and DFlash drafters were trained on
+            hidden[last] = self.model.norm(x)
         x = x if logits_rows is None else x[logits_rows]
         logits = self.lm_head(self.model.norm(x)).float()
         return logits, [hidden[i] for i in hidden_layer_ids]
