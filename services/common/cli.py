@@ -175,17 +175,30 @@ def add_drafter_training_commands(commands) -> None:
                        help="dtype of the saved drafter weights (default bfloat16)")
 
     prompts = commands.add_parser(
-        "make-prompts", help="build a training prompts file from code and docs in folders",
-        description="Cut functions, classes and runs of lines out of .py/.md/.rst/.txt files under the --from "
-                    "folders and write them as chat prompts (JSONL), deterministically for a seed.")
-    prompts.add_argument("--from", dest="roots", action="append", required=True, type=Path, metavar="DIR",
-                         help="folder to take code and docs from (repeatable)")
-    prompts.add_argument("--out", required=True, type=Path, help="the prompts file to write (JSONL)")
-    prompts.add_argument("--limit", type=int, default=10000, help="prompts at most (default 10000)")
+        "make-prompts", help="build training or held-out prompts from code and docs (JSONL, .xz/.gz compressed)",
+        description="Cut functions, classes and runs of lines out of code, and passages out of documentation and "
+                    "manual pages, and write them as chat prompts (code tasks; summarise, explain, rewrite, question, "
+                    "continue for prose), deterministically for a seed. Sources: --from folders, registered "
+                    "--sources, or a --preset (training, held-out-code, held-out-prose, or all three).")
+    where = prompts.add_mutually_exclusive_group(required=True)
+    where.add_argument("--from", dest="roots", action="append", type=Path, metavar="DIR",
+                       help="folder to take code and docs from (repeatable)")
+    where.add_argument("--sources", metavar="NAME,...", help="registered sources (see --list-sources)")
+    where.add_argument("--preset", choices=("training", "held-out-code", "held-out-prose", "all"),
+                       help="a registered set; all: training to --out, held-out sets to --held-out-dir")
+    where.add_argument("--list-sources", action="store_true", help="print the registered sources and exit")
+    where.add_argument("--install-commands", action="store_true",
+                       help="print the commands that install the registered sources and exit")
+    prompts.add_argument("--out", type=Path, help="the prompts file to write (JSONL; .xz or .gz: compressed)")
+    prompts.add_argument("--held-out-dir", type=Path, default=Path("docs/prompts"),
+                         help="--preset all: folder of the held-out sets (default docs/prompts)")
+    prompts.add_argument("--limit", type=int, help="prompts at most (default 10000, or the preset's size)")
     prompts.add_argument("--seed", type=int, default=0, help="which snippets and their order (default 0)")
     prompts.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                         help="skip paths (relative to --from) or folder/file names matching GLOB (repeatable)")
-    prompts.add_argument("--per-file", type=int, default=8, help="prompts per file at most (default 8)")
+                         help="--from: skip paths (relative to --from) or folder/file names matching GLOB")
+    prompts.add_argument("--licence", default="not recorded", help="--from: the licence written into each prompt")
+    prompts.add_argument("--per-file", type=int, default=8,
+                         help="prompts per file at most, plus one per 150 lines of code or 40 of prose (default 8)")
 
 
 def generation_params(args) -> GenerationParams:
@@ -372,7 +385,7 @@ def run_train_drafter(args) -> int:
 
 
 def run_make_prompts(args) -> int:
-    from treeserve.drafter.corpus import run
+    from treeserve.drafter.corpus_sources import run
 
     return run(args)
 
