@@ -296,16 +296,21 @@ from treeserve.verifier import Generation, generate  # noqa: E402
 VOCAB = 64  # random_dflash_drafter's mask token is VOCAB - 1 of the target it is given
 
 
-@pytest.mark.parametrize("tree", ["chain", "ddtree"])
+@pytest.mark.parametrize("tree", ["chain", "ddtree", "merged"])
 @pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_dflash_speculation_is_lossless(family, tree):
+    """DFlash trees, and prompt lookup merged with them (`--drafter merged`), change no token."""
+    from treeserve.drafter.merged import MergedDrafter
+
     target = random_target(family, seed=3, vocab_size=VOCAB, weight_scale=2.0)
     tokenizer = word_tokenizer(VOCAB)
     params = GenerationParams(max_new_tokens=24, ignore_eos=True)
     for prompt in ([1, 2, 3, 4, 5], [7, 7, 9, 7, 7, 9, 7]):
         plain = generate(target, tokenizer, prompt, params).token_ids
         for budget in (1, 5, 16):
-            result = generate(target, tokenizer, prompt, params, random_dflash_drafter(target, tree), budget)
+            drafter = (MergedDrafter(random_dflash_drafter(target, "ddtree")) if tree == "merged"
+                       else random_dflash_drafter(target, tree))
+            result = generate(target, tokenizer, prompt, params, drafter, budget)
             assert result.token_ids == plain, (prompt, budget)
 
 
