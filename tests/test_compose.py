@@ -338,3 +338,50 @@ def test_compose_command_lines_serve_a_request(tmp_path):
         codes = stack.stop()
     assert codes == {service: 0 for service in stack.services}, {s: stack.log_tail(s) for s in stack.services}
     assert not list(stack.sockets.glob("*.sock"))
+
+
+def dockerignored(path: str, patterns: list[str]) -> bool:
+    """Docker's rule for a context path: the last pattern matching the path or a folder above it decides, `!`
+    re-including; a leading `**/` matches a name at any depth."""
+    import fnmatch
+
+    def matches(prefix: str, glob: str) -> bool:
+        if glob.startswith("**/"):
+            return fnmatch.fnmatchcase(prefix.rsplit("/", 1)[-1], glob[3:])
+        return fnmatch.fnmatchcase(prefix, glob)
+
+    parts = path.split("/")
+    ignored = False
+    for pattern in patterns:
+        glob = pattern.removeprefix("!")
+        if any(matches("/".join(parts[:i]), glob) for i in range(1, len(parts) + 1)):
+            ignored = not pattern.startswith("!")
+    return ignored
+
+
+def test_the_image_context_holds_what_the_package_needs(tmp_path):
+    """The wheel builds from exactly the files compose/Dockerfile.dockerignore lets into the build context, and
+    holds every package (the kernels too) and the shipped drafter."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    patterns = [line.strip() for line in (COMPOSE_DIR / "Dockerfile.dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    context = tmp_path / "context"
+    for path in tracked.splitlines():
+        if not dockerignored(path, patterns):
+            (context / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / path, context / path)
+    assert not (context / "tests").exists() and not (context / "docs").exists()
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir",
+                            str(tmp_path / "wheel"), str(context)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-2000:]
+    (wheel,) = (tmp_path / "wheel").glob("treeserve-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    for package in packages:
+        assert f"{package.replace('.', '/')}/__init__.py" in names, package
+    assert "treeserve/drafter/checkpoints/smollm2-135m/model.safetensors" in names
