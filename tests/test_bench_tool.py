@@ -210,3 +210,13 @@ def test_bench_stacks_makes_the_tables_in_one_command(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "treeserve.gateway.bench_stacks", "--out-dir", str(out),
                           "--drafters", "eagle"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--drafters: unknown eagle" in bad.stderr
+
+
+def test_workloads_are_found_from_any_directory(tmp_path, monkeypatch):
+    # The prompt sets ship in the package: `treeserve bench` outside the repository (or in the image) finds them.
+    from treeserve.drafter.corpus import read_prompts
+    from treeserve.prompt_sets import WORKLOADS
+
+    monkeypatch.chdir(tmp_path)
+    for name, path in WORKLOADS.items():
+        assert path.is_absolute() and read_prompts(path), name

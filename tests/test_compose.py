@@ -361,7 +361,7 @@ def dockerignored(path: str, patterns: list[str]) -> bool:
 
 def test_the_image_context_holds_what_the_package_needs(tmp_path):
     """The wheel builds from exactly the files compose/Dockerfile.dockerignore lets into the build context, and
-    holds every package (the kernels too) and the shipped drafter."""
+    holds every package (the kernels too), the shipped drafter and the benches' prompt sets."""
     import shutil
     import subprocess
     import sys
@@ -385,3 +385,7 @@ def test_the_image_context_holds_what_the_package_needs(tmp_path):
     for package in packages:
         assert f"{package.replace('.', '/')}/__init__.py" in names, package
     assert "treeserve/drafter/checkpoints/smollm2-135m/model.safetensors" in names
+    from treeserve.prompt_sets import WORKLOADS
+
+    for workload in WORKLOADS.values():  # the benches' prompt sets, read from the package wherever they run
+        assert f"treeserve/prompts/{workload.name}" in names

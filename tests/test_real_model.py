@@ -6,16 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from treeserve.drafter import NgramDrafter, load_drafter
 from treeserve.loading import embedded_path
 from treeserve.params import GenerationParams
+from treeserve.prompt_sets import WORKLOADS
 from treeserve.verifier import generate
-
-REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.real_model
 
@@ -69,7 +67,7 @@ def test_default_drafter_accepts_three_tokens_a_round_continuing_code(smollm2):
     held-out code-continuation prompt: rounds carry at least 3 tokens, and the output is plain decoding's."""
     from treeserve.drafter.corpus import read_prompts
 
-    record = next(r for r in read_prompts(REPO / "docs/prompts/held-out-code.jsonl") if r["kind"] == "continue")
+    record = next(r for r in read_prompts(WORKLOADS["code"]) if r["kind"] == "continue")
     ids = smollm2.tokenizer.encode_prompt(record["prompt"], chat=True)
     params = GenerationParams(max_new_tokens=128)
     plain = generate(smollm2.model, smollm2.tokenizer, ids, params)

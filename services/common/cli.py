@@ -190,8 +190,8 @@ def add_drafter_training_commands(commands) -> None:
     where.add_argument("--install-commands", action="store_true",
                        help="print the commands that install the registered sources and exit")
     prompts.add_argument("--out", type=Path, help="the prompts file to write (JSONL; .xz or .gz: compressed)")
-    prompts.add_argument("--held-out-dir", type=Path, default=Path("docs/prompts"),
-                         help="--preset all: folder of the held-out sets (default docs/prompts)")
+    prompts.add_argument("--held-out-dir", type=Path, default=Path("services/common/prompts"),
+                         help="--preset all: folder of the held-out sets (default services/common/prompts, where treeserve ships them)")
     prompts.add_argument("--limit", type=int, help="prompts at most (default 10000, or the preset's size)")
     prompts.add_argument("--seed", type=int, default=0, help="which snippets and their order (default 0)")
     prompts.add_argument("--exclude", action="append", default=[], metavar="GLOB",

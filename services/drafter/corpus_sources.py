@@ -34,7 +34,7 @@ from treeserve.drafter.corpus import (CODE_LANGUAGES, PROSE_STYLES, Document, di
 from treeserve.errors import TreeserveError
 
 TRAIN, HELD_OUT_CODE, HELD_OUT_PROSE = "train", "held-out-code", "held-out-prose"
-HELD_OUT_EARLIER = "held-out-earlier"  # the sources of docs/prompts/held-out-code.jsonl: never trained on
+HELD_OUT_EARLIER = "held-out-earlier"  # the sources of treeserve/prompts/held-out-code.jsonl: never trained on
 SKIPPED_FOLDERS = {"__pycache__", "node_modules", "site-packages", "dist-packages", "_vendor", "vendor", "vendored"}
 MAX_FILE_BYTES = 1 << 20
 NPM_FOLDERS = (Path("corpus/sources/npm/node_modules"), Path("/usr/lib/node_modules"))
@@ -353,7 +353,7 @@ SOURCES = (
            DebianPackage("python3.11-doc", tuple(p.replace("*.rst.txt", f"{d}.rst.txt")
                                                  for p in PYTHON_DOCS for d in HELD_OUT_DOCS)),
            "PSF-2.0", style="rst"),
-    # Held out by the first held-out set (docs/prompts/held-out-code.jsonl): never trained on, not drawn again.
+    # Held out by the first held-out set (treeserve/prompts/held-out-code.jsonl): never trained on, not drawn again.
     Source("python-asyncio", HELD_OUT_EARLIER, PythonStdlib("asyncio"), "PSF-2.0"),
     Source("python-email", HELD_OUT_EARLIER, PythonStdlib("email"), "PSF-2.0"),
     pkg("jinja2", "BSD-3-Clause", split=HELD_OUT_EARLIER),

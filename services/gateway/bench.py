@@ -39,12 +39,12 @@ import grpc
 from treeserve.divergence import divergence
 from treeserve.errors import TreeserveError
 from treeserve.params import GenerationParams
+from treeserve.prompt_sets import WORKLOADS
 from treeserve.serving import normalize_address
 from treeserve.telemetry import percentile
 from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 from treeserve.wire import params_to_proto
 
-WORKLOADS = {"code": Path("docs/prompts/held-out-code.jsonl"), "chat": Path("docs/prompts/held-out-chat.jsonl")}
 
 
 @dataclasses.dataclass
@@ -219,9 +219,6 @@ def run_bench(args) -> dict:
     from treeserve.telemetry import checked_by_budget, round_phase_means, round_totals, rounds_by_budget
 
     path = Path(args.prompts) if args.prompts else WORKLOADS[args.workload]
-    if not args.prompts and not path.is_file():
-        raise TreeserveError(f"workload {args.workload}: {path} not found (run from the repository root, or give "
-                             f"--prompts FILE)")
     prompts = read_prompts(path)
     info = asyncio.run(model_info(args.address))
     if any(b > info["max_budget"] for b in args.budgets):

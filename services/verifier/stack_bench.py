@@ -21,6 +21,7 @@ from treeserve.drafter.corpus import read_prompts
 from treeserve.errors import TreeserveError
 from treeserve.launcher import Stack, start_stack
 from treeserve.params import GenerationParams
+from treeserve.prompt_sets import WORKLOADS
 from treeserve.serving import free_port
 from treeserve.telemetry import round_phase_means, round_totals
 
@@ -65,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--drafter-path", help="DFlash checkpoint (default: the one shipped for the target)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--prompts", type=Path, default=Path("docs/prompts/held-out-code.jsonl"),
+    p.add_argument("--prompts", type=Path, default=WORKLOADS["code"],
                    help='JSONL of {"prompt": ..., "chat": true|false} (default: the held-out code prompts)')
     p.add_argument("--limit", type=int, default=8, help="prompts to send (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=128)

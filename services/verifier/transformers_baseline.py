@@ -19,6 +19,7 @@ import torch
 
 from treeserve.cli import OneLineErrorParser
 from treeserve.errors import TreeserveError
+from treeserve.prompt_sets import WORKLOADS
 
 MODES = ("greedy", "prompt-lookup", "assisted")
 
@@ -70,7 +71,7 @@ def timed_generate(model, ids: list[int], max_new_tokens: int, device: str, **mo
 def parse_args(argv=None):
     p = OneLineErrorParser(prog="python -m treeserve.verifier.transformers_baseline", description=__doc__)
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--prompts", default="docs/prompts/held-out-code.jsonl")
+    p.add_argument("--prompts", default=str(WORKLOADS["code"]))
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
