@@ -20,6 +20,8 @@ from treeserve.errors import TreeserveError
 
 
 DRAFTERS = {"ngram": "ngram", "chain": "dflash chain", "ddtree": "dflash ddtree", "merged": "merged"}  # -> label
+DFLASH_DRAFTERS = {  # -> (load_drafter kind, tree)
+    "chain": ("dflash", "chain"), "ddtree": ("dflash", "ddtree"), "merged": ("merged", "ddtree")}
 
 
 def configurations(args) -> list[tuple[str, str, int]]:
@@ -42,10 +44,10 @@ def run(args) -> dict:
     graphs = args.device == "cuda"
     drafters = {"ngram": load_drafter("ngram")}
     if args.drafter_path:
-        for kind, tree in (("chain", "chain"), ("ddtree", "ddtree"), ("merged", "ddtree")):
+        for kind, (drafter_kind, tree) in DFLASH_DRAFTERS.items():
             if kind in args.drafters:
-                drafters[kind] = load_drafter("dflash" if kind != "merged" else "merged", args.drafter_path, tree,
-                                              target=target, max_batch=1, graphs=graphs)
+                drafters[kind] = load_drafter(drafter_kind, args.drafter_path, tree, target=target, max_batch=1,
+                                              graphs=graphs)
     verifiers = one_request_verifiers(target.model, drafters.values(), encoded, args) if graphs else {}
     plain = [run_one(target, ids, params, None, 0, verifiers.get(())).token_ids for ids in encoded]
     rows = []
