@@ -35,6 +35,7 @@ def run(args) -> dict:
     from treeserve.drafter.corpus import encode_prompts, read_prompts
     from treeserve.loading import load_target
     from treeserve.params import GenerationParams
+    from treeserve.verifier import generate
 
     records = read_prompts(args.prompts)[:args.limit]  # a bad prompts file fails before the target loads
     target = load_target(args.target, device=args.device, dtype=args.dtype)
@@ -49,7 +50,7 @@ def run(args) -> dict:
                 drafters[kind] = load_drafter(drafter_kind, args.drafter_path, tree, target=target, max_batch=1,
                                               graphs=graphs)
     verifiers = one_request_verifiers(target.model, drafters.values(), encoded, args) if graphs else {}
-    plain = [run_one(target, ids, params, None, 0, verifiers.get(())).token_ids for ids in encoded]
+    plain = [generate(target.model, tok, ids, params, verifier=verifiers.get(())).token_ids for ids in encoded]
     rows = []
     results = {"command": " ".join(["python -m treeserve.drafter.acceptance_bench", *args.argv]),
                "target": args.target, "drafter_path": str(args.drafter_path or ""),
@@ -59,7 +60,8 @@ def run(args) -> dict:
         started, rounds, tokens, identical = time.perf_counter(), 0, 0, 0
         drafter = drafters[kind]
         for ids, reference in zip(encoded, plain):
-            result = run_one(target, ids, params, drafter, budget, verifiers.get(tuple(drafter.feature_layer_ids)))
+            result = generate(target.model, tok, ids, params, drafter, budget,
+                              verifiers.get(tuple(drafter.feature_layer_ids)))
             rounds, tokens = rounds + result.rounds, tokens + result.round_tokens
             identical += result.token_ids == reference
         rows.append({"drafter": label, "budget": budget, "mean_accepted": tokens / max(rounds, 1),
@@ -85,19 +87,6 @@ def one_request_verifiers(model, drafters, encoded: list[list[int]], args) -> di
         verifier.capture(layers)
         verifiers[layers] = verifier
     return verifiers
-
-
-def run_one(target, prompt_ids: list[int], params, drafter, budget: int, verifier):
-    """One request to the end; its KV blocks and draft context go back, so the next prompt finds them free."""
-    from treeserve.verifier import Generation
-
-    generation = Generation(target.model, target.tokenizer, prompt_ids, params, drafter, budget, verifier=verifier)
-    try:
-        while not generation.finished:
-            generation.step()
-        return generation.result()
-    finally:
-        generation.release()
 
 
 def main(argv: list[str] | None = None) -> int:

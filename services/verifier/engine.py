@@ -533,8 +533,12 @@ class Generation:
 def generate(model: DecoderLM, tokenizer: Tokenizer, prompt_ids: list[int], params: GenerationParams,
              drafter: Drafter | None = None, budget: int = 0, verifier: TreeVerifier | None = None
              ) -> GenerationResult:
-    """Run one request to the end. For streaming, drive a `Generation` and read what each `step()` returns."""
+    """Run one request to the end; its KV blocks and draft context go back, so that the verifier and the drafter
+    can serve the next. For streaming, drive a `Generation` and read what each `step()` returns."""
     generation = Generation(model, tokenizer, prompt_ids, params, drafter, budget, verifier=verifier)
-    while not generation.finished:
-        generation.step()
-    return generation.result()
+    try:
+        while not generation.finished:
+            generation.step()
+        return generation.result()
+    finally:
+        generation.release()
