@@ -79,3 +79,18 @@ def test_transformers_baseline_on_the_cpu(tmp_path, fmt):
     rows = json.loads(out.read_text())["rows"]
     assert [r["mode"] for r in rows] == ["greedy", "prompt-lookup"]
     assert all(r["identical_to_treeserve_greedy"] == "2/2" and r["tokens"] == 24 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_draft_profile_on_the_cpu(tmp_path):
+    """The DFlash round profile, one round of one request with the shipped drafter: every step timed."""
+    from treeserve.drafter.draft_profile import STEPS, main
+
+    out = tmp_path / "profile.json"
+    assert main(["--device", "cpu", "--dtype", "float32", "--batches", "1", "--max-budgets", "8", "--budget", "8",
+                 "--context", "20", "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    assert (row["max_budget"], row["batch"]) == (8, 1)
+    assert all(row["ms"][step] > 0 for step in STEPS) and row["ms"]["replay_device"] == 0.0

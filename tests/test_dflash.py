@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from fractions import Fraction
 
 import pytest
@@ -314,6 +315,42 @@ def test_dflash_speculation_is_lossless(family, tree):
             assert result.token_ids == plain, (prompt, budget)
 
 
+@pytest.mark.parametrize("tree", ["chain", "ddtree"])
+def test_a_batch_of_requests_drafts_what_each_would_alone(tree):
+    """Requests of many context lengths, extended in one round (their context rows written together) and
+    proposed together in chunks of max_batch, get the trees each gets alone: the best tree of its budget from
+    its own block distributions."""
+    from treeserve.drafter.dflash import DFlashDrafter
+    from treeserve.drafter.trees import ddtree_from_distributions
+
+    target = random_target("qwen3", seed=8, vocab_size=VOCAB, weight_scale=2.0)
+    model = random_dflash_drafter(target, tree, seed=2).model
+    together = DFlashDrafter(model, target.model.embed_tokens.weight, target.lm_head.weight, tree, max_batch=2)
+    alone = DFlashDrafter(model, target.model.embed_tokens.weight, target.lm_head.weight, tree, max_batch=1)
+    rng = random.Random(3)
+    histories = [[rng.randrange(VOCAB - 1) for _ in range(rng.randint(2, 40))] for _ in range(5)]
+    budgets = [0, 1, 7, 30, 128]
+    contexts = [together.new_context() for _ in histories]
+    for context, tokens in zip(contexts, histories):  # one round's extends, written at the next propose
+        together.extend(context, tokens, target_features(target, tokens[:-1], (0, 1)))
+    trees = together.propose(contexts, budgets)
+    for tokens, budget, tree_got in zip(histories, budgets, trees):
+        own = alone.new_context()  # its context written on its own, by the model's extend_context
+        own.tokens = list(tokens)
+        model.extend_context(own.sequence, target_features(target, tokens[:-1], (0, 1)))
+        roots, log_probs = alone.block_log_probs([own])
+        assert tree_got == alone.propose([own], [budget])[0]
+        if tree == "ddtree":
+            assert tree_got == ddtree_from_distributions(roots, log_probs, [budget])[0]
+        assert tree_got.size - 1 == min(budget, 5 if tree == "chain" else budget)
+        alone.release(own)
+    for context in contexts:
+        together.release(context)
+    assert together.pool.allocator.free_count == together.pool.allocator.num_blocks
+    with pytest.raises(TreeserveError, match="budgets must be between 0 and 128"):
+        together.propose(contexts[:1], [129])
+
+
 def test_a_context_that_outgrows_the_drafter_pool_continues_without_trees():
     """In-process: a pool of 32 context tokens fills after a few rounds; the generation then decodes plainly,
     with the target's own tokens, and the drafter's blocks all come back."""
@@ -341,6 +378,7 @@ def test_the_drafter_context_holds_the_target_features_of_every_committed_token_
     context = generation.draft_context
     tokens = generation.prompt_ids + generation.output_ids
     assert context.tokens == tokens and context.sequence.length == len(tokens) - 1
+    drafter.write_context()  # the last round's rows wait for the next block forward
     fresh = drafter.pool.sequence()
     drafter.model.extend_context(fresh, target_features(target, tokens[:-1], (0, 1)))
     flat = drafter.pool.data.flatten(2, 3)  # (keys/values, layers, slots, kv heads, head dim)
@@ -360,18 +398,17 @@ def test_oracle_block_distributions_give_long_accepted_paths_and_the_same_tokens
     plain = generate(target, tokenizer, prompt, params).token_ids
     truth = prompt + plain
     drafter = random_dflash_drafter(target, "ddtree")
-    real = drafter.block_log_probs
+    real = drafter.row_log_probs
+    block = drafter.model.config.block_size
 
-    def oracle(contexts):
-        roots, log_probs = real(contexts)
-        log_probs = log_probs.clone()
-        for row, context in enumerate(contexts):
-            upcoming = truth[len(context.tokens):len(context.tokens) + log_probs.shape[1]]
-            for position, token in enumerate(upcoming):
-                log_probs[row, position, token] = 0.0  # the likeliest token by far
-        return roots, log_probs
+    def oracle(rows):
+        log_probs = real(rows).clone()
+        for row, position in enumerate(rows.positions.tolist()):
+            if row % block and position < len(truth):  # a drafted position (the root's row is committed)
+                log_probs[row, truth[position]] = 0.0  # the likeliest token by far
+        return log_probs
 
-    monkeypatch.setattr(drafter, "block_log_probs", oracle)
+    monkeypatch.setattr(drafter, "row_log_probs", oracle)
     result = generate(target, tokenizer, prompt, params, drafter, budget=8)
     assert result.token_ids == plain
     assert result.mean_accepted > 4

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from treeserve.drafter.trees import chain_trees, ddtree_from_distributions, ddtree_trees
+from treeserve.drafter.trees import ddtree_from_distributions, ddtree_trees
 from treeserve.errors import TreeserveError
 from treeserve.tree import MAX_BUDGET, DraftTree
 
@@ -133,17 +133,17 @@ def test_ddtree_zero_probability_nodes_fill_the_budget_after_the_rest():
     assert all(lp == float("-inf") for lp in node_log_probs[0][2:])
 
 
-def test_chain_is_the_argmax_path_cut_to_the_budget():
+def test_with_one_choice_a_position_the_tree_is_the_argmax_chain_cut_to_the_budget():
+    # The DFlash drafter's chain trees are DDTree trees of each position's top token.
     generator = torch.Generator().manual_seed(3)
     roots, log_probs, token_ids = random_top_k(4, 5, 3, generator)
     budgets = [0, 2, 5, 9]
-    for b, (tree, budget) in enumerate(zip(chain_trees(roots, token_ids, budgets), budgets)):
+    trees = ddtree_trees(roots, log_probs[:, :, :1], token_ids[:, :, :1], budgets)
+    for b, (tree, budget) in enumerate(zip(trees, budgets)):
         length = min(budget, 5)
         assert_valid(tree, roots[b].item(), length)
         assert tree.tokens[1:] == token_ids[b, :length, 0].tolist()
         assert tree.parents == list(range(-1, length))
-        # The chain is also DDTree's tree whenever K = 1.
-        assert tree == ddtree_trees(roots[b:b + 1], log_probs[b:b + 1, :, :1], token_ids[b:b + 1, :, :1], [budget])[0]
 
 
 def test_ddtree_accepts_low_precision_log_probs_and_tensor_budgets():
@@ -167,7 +167,6 @@ def test_ddtree_runs_on_the_inputs_device(device):
     expected = ddtree_trees(roots, log_probs, token_ids, budgets)
     moved = [t.to(device) for t in (roots, log_probs, token_ids)]
     assert ddtree_trees(*moved, torch.tensor(budgets, device=device)) == expected
-    assert chain_trees(moved[0], moved[2], budgets) == chain_trees(roots, token_ids, budgets)
 
 
 def test_empty_batch_and_bad_inputs():

@@ -229,7 +229,7 @@ def make_drafter(args, target, graphs: bool):
     from treeserve.drafter import load_drafter
 
     return load_drafter(args.drafter, args.drafter_path, args.tree, target=target, device=args.device,
-                        dtype=args.dtype, max_batch=1, graphs=graphs)
+                        dtype=args.dtype, max_batch=1, graphs=graphs, max_budget=args.budget)
 
 
 def resolved_drafter(args) -> str:

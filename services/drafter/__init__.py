@@ -23,12 +23,13 @@ def resolve_kind(kind: str, target_spec: str | None) -> str:
 
 def load_drafter(kind: str, path: str | None = None, tree: str = "ddtree", *, target=None,
                  target_spec: str | None = None, device: str = "cpu", dtype: str = "float32", max_batch: int = 64,
-                 kv_cache_tokens: int = 0, graphs: bool = False):
+                 kv_cache_tokens: int = 0, graphs: bool = False, max_budget: int | None = None):
     """A drafter by kind (auto, ngram, dflash, model) for a target: `target` when it is already loaded (a
     LoadedModel), else `target_spec`, of which a DFlash drafter loads the weights it borrows and a draft model
     only the tokenizer it must share. `path` is the DFlash checkpoint (default: the one shipped for the target)
     or the draft model. A DFlash drafter keeps `kv_cache_tokens` of context (0: its default) and, with `graphs`,
-    replays its block forward from CUDA graphs up to `max_batch` requests (captured here)."""
+    replays its block forward from CUDA graphs up to `max_batch` requests (captured here), and builds trees of
+    up to `max_budget` nodes (default: the largest budget any request may ask for)."""
     from treeserve.errors import TreeserveError
 
     spec = target.name if target is not None else target_spec
@@ -52,10 +53,12 @@ def load_drafter(kind: str, path: str | None = None, tree: str = "ddtree", *, ta
         tokenizer = target.tokenizer if target is not None else load_tokenizer(target_spec)
         return DraftModelDrafter.load(path, device, dtype, tokenizer)
     from treeserve.drafter.dflash import DFlashDrafter
+    from treeserve.tree import MAX_BUDGET
 
     target = target if target is not None else load_target(target_spec, device=device, dtype=dtype)
     drafter = DFlashDrafter.for_target(path, target.model, tree, max_batch=max_batch,
-                                       kv_cache_tokens=kv_cache_tokens, graphs=graphs)
+                                       kv_cache_tokens=kv_cache_tokens, graphs=graphs,
+                                       max_budget=max_budget or MAX_BUDGET)
     if graphs:
         drafter.capture()
     if kind == "merged":

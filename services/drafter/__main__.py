@@ -113,7 +113,7 @@ async def serve(args: argparse.Namespace) -> None:
         servicer.attach(await asyncio.to_thread(load_drafter, args.kind, args.drafter_path, args.tree,
                                                 target_spec=args.target, device=args.device, dtype=args.dtype,
                                                 max_batch=args.max_batch, kv_cache_tokens=args.kv_cache_tokens,
-                                                graphs=graphs))
+                                                graphs=graphs, max_budget=args.max_budget))
     except BaseException:
         await serving.abandon(service)
         raise

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from treeserve.cli import OneLineErrorParser
 from treeserve.errors import TreeserveError
+from treeserve.tree import MAX_BUDGET
 
 
 DRAFTERS = {"ngram": "ngram", "chain": "dflash chain", "ddtree": "dflash ddtree", "merged": "merged"}  # -> label
@@ -48,7 +49,7 @@ def run(args) -> dict:
         for kind, (drafter_kind, tree) in DFLASH_DRAFTERS.items():
             if kind in args.drafters:
                 drafters[kind] = load_drafter(drafter_kind, args.drafter_path, tree, target=target, max_batch=1,
-                                              graphs=graphs)
+                                              graphs=graphs, max_budget=max(args.budgets))
     verifiers = one_request_verifiers(target.model, drafters.values(), encoded, args) if graphs else {}
     plain = [generate(target.model, tok, ids, params, verifier=verifiers.get(())).token_ids for ids in encoded]
     rows = []
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         args.budgets = [int(b) for b in args.budgets.split(",")]
     except ValueError:
         parser.error(f"--budgets: {args.budgets!r} is not a comma-separated list of numbers")
+    if not all(1 <= b <= MAX_BUDGET for b in args.budgets):
+        parser.error(f"--budgets: each must be between 1 and {MAX_BUDGET}")
     args.drafters = args.drafters.split(",")
     unknown = [d for d in args.drafters if d not in DRAFTERS]
     if unknown:

@@ -8,7 +8,9 @@ computed once per token and kept per request, in a paged KV pool of the draft la
 to the whole context and to itself without a causal mask (the tree-attention kernel with an all-ones mask). The
 final norm, then the target's own LM head, give a distribution for each of the next b - 1 positions. The
 block's embeddings also come from the target, so the checkpoint holds neither an embedding nor an LM head.
-On a GPU the block forward replays a CUDA graph per batch bucket, as the verifier's trees do.
+The same forward builds each request's tree from those distributions (trees.ddtree_select); on a GPU it
+replays a CUDA graph per batch bucket, as the verifier's trees do, so that a round is one replay and one small
+copy to the host rather than hundreds of small launches.
 
 Checkpoints follow the z-lab layout: config.json (Qwen3-style fields, `block_size`, `num_target_layers` and
 `dflash_config.target_layer_ids` / `dflash_config.mask_token_id`) and safetensors named fc.weight,
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from treeserve.drafter.trees import ddtree_select, possible_nodes, unpack_trees
 from treeserve.errors import TreeserveError
 from treeserve.loading.hf_folder import config_from_hf, read_json, safetensors_reader
 from treeserve.loading.weights import checkpoint_state, fill_parameters
@@ -34,7 +37,7 @@ from treeserve.models import ModelConfig
 from treeserve.models.graphs import PagedRunner, TreeRows
 from treeserve.models.paged_kv import PagedAttention, PagedKVCache, PagedSequence, paged_kernels
 from treeserve.models.transformer import Attention, DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
-from treeserve.tree import DraftPoolFull
+from treeserve.tree import MAX_BUDGET, DraftPoolFull, DraftTree
 
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
@@ -149,13 +152,20 @@ class DFlashModel(nn.Module):
         """Write the next tokens' context keys/values, from their target features (N, feature_size), into
         `sequence` (of a pool of this model's layers), at positions from its length."""
         n = features.shape[0]
-        positions = torch.arange(sequence.length, sequence.length + n, device=self.device)
-        keys, values = self.context_kv(features.to(self.device, self.dtype), positions)
-        slots = sequence.reserve(n).to(self.device)
+        positions = torch.arange(sequence.length, sequence.length + n)
+        self.write_context(sequence.cache, sequence.reserve(n), positions, features, kernels)
+        sequence.keep(list(range(n)))
+
+    @torch.no_grad()
+    def write_context(self, cache: PagedKVCache, slots: torch.Tensor, positions: torch.Tensor,
+                      features: torch.Tensor, kernels: bool = False) -> None:
+        """The context keys/values of tokens at `positions`, from their features (N, feature_size), written at
+        `slots` of `cache` (a pool of this model's layers): any number of requests' tokens in one pass."""
+        keys, values = self.context_kv(features.to(self.device, self.dtype), positions.to(self.device))
+        slots = slots.to(self.device)
         kv_write, _ = paged_kernels(kernels)
         for layer, (k, v) in enumerate(zip(keys, values)):
-            kv_write(*sequence.cache.layer(layer), k.contiguous(), v.contiguous(), slots)
-        sequence.keep(list(range(n)))
+            kv_write(*cache.layer(layer), k.contiguous(), v.contiguous(), slots)
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor):
         """Per draft layer, the keys (k projection, k-norm, RoPE) and values of the projected features."""
@@ -230,16 +240,17 @@ DEFAULT_CONTEXT_TOKENS = {"cpu": 32768, "cuda": 262144}
 
 
 class DFlashDrafter:
-    """Batched DFlash drafting: one block forward for every request of a round, then a tree per request, built
-    on the device (`chain`: the argmax path; `ddtree`: the best tree of `budget` nodes). Contexts live in one
-    paged pool of `kv_cache_tokens`; with `graphs` (CUDA) the block forward replays a graph per batch bucket up
-    to `max_batch` (call `capture()` once)."""
+    """Batched DFlash drafting: one block forward for every request of a round, which also builds each request's
+    tree on the device (`chain`: the argmax path; `ddtree`: the best tree of its budget, up to `max_budget`
+    nodes). Contexts live in one paged pool of `kv_cache_tokens`; with `graphs` (CUDA) the block forward and
+    the trees replay a graph per batch bucket up to `max_batch` (call `capture()` once), so a round costs one
+    replay and one copy of the trees to the host."""
 
     name = "dflash"
 
     def __init__(self, model: DFlashModel, embedding: torch.Tensor, lm_head: torch.Tensor, tree: str = "ddtree",
                  max_batch: int = 64, kv_cache_tokens: int = 0, graphs: bool = False,
-                 max_context: int | None = None):
+                 max_context: int | None = None, max_budget: int = MAX_BUDGET):
         cfg = model.config
         if tree not in TREES:
             raise TreeserveError(f"unknown tree kind {tree!r} (use {' or '.join(TREES)})")
@@ -248,12 +259,20 @@ class DFlashDrafter:
                                  f"{embedding.shape[1]}")
         if not 0 <= cfg.mask_token_id < embedding.shape[0]:
             raise TreeserveError(f"mask token id {cfg.mask_token_id} is outside the target's vocabulary")
+        if not 1 <= max_budget <= MAX_BUDGET:
+            raise TreeserveError(f"max budget must be between 1 and {MAX_BUDGET}, got {max_budget}")
         self.model, self.embedding, self.lm_head = model, embedding, lm_head
-        self.tree_kind = tree
+        self.tree_kind, self.max_budget = tree, max_budget
         self.feature_layer_ids = cfg.target_layer_ids
         self.feature_size = cfg.feature_size
         device = model.device
         self.kernels = device.type == "cuda"
+        # A chain is the DDTree of each position's top token. A tree of at most max_budget nodes needs each
+        # position's top max_budget tokens (trees.py says why), and holds at most every possible node.
+        self.top_k = 1 if tree == "chain" else min(max_budget, embedding.shape[0])
+        self.tree_width = min(max_budget, possible_nodes(cfg.block_size - 1, self.top_k))
+        # Each request's budget, written before every block forward, which reads it (padding requests: 0).
+        self.budgets = torch.zeros(max_batch, dtype=torch.long, device=device)
         tokens = kv_cache_tokens or DEFAULT_CONTEXT_TOKENS[device.type]
         # Kept free for the block rows of a round (each request's block spills into one more pool block at most),
         # so proposing never runs out of blocks: contexts that would eat into this are refused in extend().
@@ -262,7 +281,10 @@ class DFlashDrafter:
                                  device)
         self.block_mask = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool)
         self.runner = PagedRunner(self.pool, self._block_forward, max_batch, [cfg.block_size],
-                                  max_context or cfg.layers.max_context, graphs)
+                                  max_context or cfg.layers.max_context, graphs, request_outputs=1)
+        # Context rows extended but not yet written (slots, positions, features): written together before the
+        # next block forward, one pass for every request of a round.
+        self.unwritten: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     @classmethod
     def for_target(cls, path: str | Path, target_model, tree: str = "ddtree", **options) -> "DFlashDrafter":
@@ -274,7 +296,7 @@ class DFlashDrafter:
 
     def capture(self) -> None:
         seconds = self.runner.capture()
-        log.info("captured %d CUDA graphs of the DFlash block forward (batch up to %d) in %.1f s",
+        log.info("captured %d CUDA graphs of the DFlash block forward and trees (batch up to %d) in %.1f s",
                  len(self.runner.graphs), self.runner.max_batch, seconds)
 
     def new_context(self) -> DFlashRequest:
@@ -282,6 +304,7 @@ class DFlashDrafter:
 
     def release(self, context: DFlashRequest) -> None:
         """Return the context's blocks to the pool (the request finished or left)."""
+        self.write_context()  # rows still waiting for blocks that are about to be freed
         context.sequence.release()
 
     def extend(self, context: DFlashRequest, tokens: list[int], features: torch.Tensor | None) -> None:
@@ -293,40 +316,71 @@ class DFlashDrafter:
         if rows and features.shape[1] != self.feature_size:
             raise TreeserveError(f"dflash: features are {features.shape[1]} wide; this drafter needs "
                                  f"{self.feature_size}")
+        sequence = context.sequence
         if rows:
-            sequence, allocator = context.sequence, self.pool.allocator
+            allocator = self.pool.allocator
             needed = -(-(sequence.length + rows) // POOL_BLOCK) - len(sequence.blocks)
             if allocator.free_count - needed < self.block_reserve:
                 raise DraftPoolFull(f"dflash: the context pool ({self.pool.allocator.num_blocks} blocks of "
                                     f"{POOL_BLOCK}) is full; raise --kv-cache-tokens")
         context.tokens.extend(tokens)
         if rows:
-            self.model.extend_context(context.sequence, features, self.kernels)
+            positions = torch.arange(sequence.length, sequence.length + rows)
+            self.unwritten.append((sequence.reserve(rows), positions, features))
+            sequence.keep(list(range(rows)))
+
+    def write_context(self) -> None:
+        """Write every extended context row not written yet, all requests' in one pass."""
+        if not self.unwritten:
+            return
+        slots, positions, features = (torch.cat(parts) for parts in zip(*self.unwritten))
+        self.unwritten.clear()
+        self.model.write_context(self.pool, slots, positions, features, self.kernels)
 
     def _block_forward(self, rows: TreeRows):
-        """Log-probabilities (rows, vocab) of every block row: the one forward a graph captures."""
+        """Log-probabilities (rows, vocab) of every block row and each request's tree, packed as
+        trees.ddtree_select packs it: the one forward a graph captures."""
+        log_probs = self.row_log_probs(rows)
+        batch = rows.paged.batch
+        drafted = log_probs.view(batch, -1, log_probs.shape[-1])[:, 1:]  # the positions after each root
+        top = drafted.topk(self.top_k, dim=-1)
+        packed, _ = ddtree_select(top.values, top.indices, self.budgets[:batch], self.tree_width)
+        return log_probs, packed
+
+    def row_log_probs(self, rows: TreeRows) -> torch.Tensor:
+        """The drafter's log-probabilities (rows, vocab) at every block row."""
         embeddings = F.embedding(rows.tokens, self.embedding).to(self.model.dtype)
         hidden = self.model(embeddings, rows.positions, PagedAttention(self.pool, rows.paged, kernels=self.kernels))
-        return (torch.log_softmax((hidden @ self.lm_head.T.to(hidden.dtype)).float(), dim=-1),)
+        return torch.log_softmax((hidden @ self.lm_head.T.to(hidden.dtype)).float(), dim=-1)
 
     @torch.inference_mode()
-    def block_log_probs(self, contexts: list[DFlashRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Roots (B,) and log-probabilities (B, block_size - 1, vocab) for the positions after each root."""
-        cfg = self.model.config
-        block = cfg.block_size
-        roots = [context.tokens[-1] for context in contexts]
+    def _run_block(self, contexts: list[DFlashRequest], budgets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block forward of these contexts (at most max_batch): their log-probabilities (B, block_size,
+        vocab) and packed trees (B, 1 + 2 * tree_width)."""
+        self.write_context()
+        block, mask_token = self.model.config.block_size, self.model.config.mask_token_id
         sequences = [context.sequence for context in contexts]
-        (log_probs,) = self.runner.run(
-            sequences, [[root] + [cfg.mask_token_id] * (block - 1) for root in roots],
+        self.budgets.copy_(torch.tensor(budgets + [0] * (len(self.budgets) - len(budgets))))
+        log_probs, packed = self.runner.run(
+            sequences, [[context.tokens[-1]] + [mask_token] * (block - 1) for context in contexts],
             [torch.arange(s.length, s.length + block) for s in sequences], [self.block_mask] * len(contexts))
         for sequence in sequences:
             sequence.keep([])  # the block's own keys and values are never context
-        return torch.tensor(roots, device=self.model.device), log_probs[:len(contexts), 1:]
+        return log_probs[:len(contexts)], packed[:len(contexts)]
 
-    def propose(self, contexts: list[DFlashRequest], budgets: list[int]):
-        from treeserve.drafter.trees import chain_trees, ddtree_from_distributions
+    def block_log_probs(self, contexts: list[DFlashRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Roots (B,) and log-probabilities (B, block_size - 1, vocab) for the positions after each root."""
+        log_probs, _ = self._run_block(contexts, [0] * len(contexts))
+        roots = torch.tensor([context.tokens[-1] for context in contexts], device=self.model.device)
+        return roots, log_probs[:, 1:]
 
-        roots, log_probs = self.block_log_probs(contexts)
-        if self.tree_kind == "chain":
-            return chain_trees(roots, log_probs.argmax(dim=-1, keepdim=True), budgets)
-        return ddtree_from_distributions(roots, log_probs, budgets)
+    def propose(self, contexts: list[DFlashRequest], budgets: list[int]) -> list[DraftTree]:
+        outside = [budget for budget in budgets if not 0 <= budget <= self.max_budget]
+        if outside:
+            raise TreeserveError(f"dflash: budgets must be between 0 and {self.max_budget}, got {outside[0]}")
+        trees, step = [], self.runner.max_batch
+        for start in range(0, len(contexts), step):
+            chunk = contexts[start:start + step]
+            _, packed = self._run_block(chunk, list(budgets[start:start + step]))
+            trees += unpack_trees([context.tokens[-1] for context in chunk], packed.tolist())
+        return trees

@@ -1,4 +1,4 @@
-"""Draft trees from per-position top-K lists (DFlash outputs), batched on the inputs' device.
+"""DDTree draft trees from per-position top-K lists (DFlash outputs), batched on the inputs' device.
 
 A DFlash forward gives, for each future position i = 1..D, a distribution that does not depend on the path;
 we keep its top-K tokens and log-probabilities sorted descending. A candidate node at depth d is a path of
@@ -7,14 +7,17 @@ choice indices (k_1..k_d) with token token_ids[d-1, k_d] and score sum_i log_pro
 DDTree (arXiv 2604.12989) keeps the `budget` highest-scoring nodes. Log-probs are <= 0, so a child never
 scores above its parent, and a top-`budget` node's parent ranks above it; so the top-`budget` nodes of depth d
 all hang from the top-`budget` nodes of depth d - 1. The search therefore runs depth by depth, D steps whatever
-the budget: expand the previous depth's best M nodes (M = the largest budget of the batch) and keep the best M;
-then take each request's top `budget` over all depths. Every chosen node's parent is chosen too, so the result is
-a tree; nodes come out depth by depth (parents before children).
+the budget: expand the previous depth's best M nodes (M at least the largest budget of the batch) and keep the
+best M; then take each request's top `budget` over all depths. Every chosen node's parent is chosen too, so the
+result is a tree; nodes come out depth by depth (parents before children).
 
 Nothing is lost by keeping each position's top M tokens only: a node whose token is a position's (k+1)-th has k
 elder siblings that rank above it, so it is in the top M only if k < M. Nor by expanding only the pairs (parent
 rank i, choice k) with (i + 1)(k + 1) <= M: every pair (i' <= i, k' <= k) ranks above (i, k), so a pair with more
 than M of them cannot be among the best M. That is about M ln M candidates a depth instead of M * M.
+
+The search is fixed-shape tensor work for a given (batch, D, K, M) (ddtree_select), so the DFlash drafter runs
+it inside its block forward's CUDA graph, with the budgets as an input.
 
 Ties: a shallower node ranks before a deeper one of equal score (so a parent always before its child), and
 within a depth the order is (parent's rank, choice index): elder siblings first.
@@ -28,17 +31,6 @@ import torch
 
 from treeserve.errors import TreeserveError
 from treeserve.tree import DraftTree
-
-
-def chain_trees(roots: torch.Tensor, token_ids: torch.Tensor, budgets) -> list[DraftTree]:
-    """Per request, the argmax chain (choice 0 at every position), cut to its budget and to D."""
-    batch, depth, _ = token_ids.shape
-    budget_list = _budget_list(budgets, batch)
-    root_list, argmax_tokens = roots.tolist(), token_ids[:, :, 0].tolist()
-    return [
-        DraftTree.chain([root] + tokens[:min(budget, depth)])
-        for root, tokens, budget in zip(root_list, argmax_tokens, budget_list)
-    ]
 
 
 def ddtree_from_distributions(roots: torch.Tensor, log_probs: torch.Tensor, budgets) -> list[DraftTree]:
@@ -62,19 +54,43 @@ def ddtree_trees(roots: torch.Tensor, log_probs: torch.Tensor, token_ids: torch.
     if token_ids.shape != log_probs.shape or roots.shape != (batch,):
         raise TreeserveError(f"ddtree: roots {tuple(roots.shape)}, log_probs {tuple(log_probs.shape)} and "
                              f"token_ids {tuple(token_ids.shape)} do not describe one batch")
-    device = log_probs.device
     budget_list = _budget_list(budgets, batch)
     if batch == 0:
         return ([], []) if with_log_probs else []
-    possible = sum(top_k ** d for d in range(1, depth + 1))
-    keep = min(max(budget_list), possible)
+    keep = min(max(budget_list), possible_nodes(depth, top_k))
+    if keep == 0:
+        trees = [DraftTree([root], [-1]) for root in roots.tolist()]
+        return (trees, [[0.0] for _ in trees]) if with_log_probs else trees
+    packed, node_log_probs = ddtree_select(log_probs, token_ids, torch.tensor(budget_list, device=log_probs.device),
+                                           keep)
+    trees = unpack_trees(roots.tolist(), packed.tolist())
+    if not with_log_probs:
+        return trees
+    return trees, [[0.0] + row[:tree.size - 1] for row, tree in zip(node_log_probs.tolist(), trees)]
+
+
+def possible_nodes(depth: int, top_k: int) -> int:
+    """Nodes below the root of the full tree of `top_k` choices at each of `depth` positions."""
+    return sum(top_k ** d for d in range(1, depth + 1))
+
+
+def ddtree_select(log_probs: torch.Tensor, token_ids: torch.Tensor, budgets: torch.Tensor, keep: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The search itself, in tensors whose shapes depend only on (B, D, K, keep), so that a CUDA graph can
+    capture it: budgets (B,) long on the inputs' device, each at most `keep` (1 <= keep <= possible_nodes(D, K)).
+
+    Returns packed (B, 1 + 2 * keep) long, per request its drafted-node count n, then its nodes' tokens and
+    their parents (0 is the root, node j is j + 1), each in keep columns of which the first n hold the tree
+    (unpack_trees reads it); and node_log_probs (B, keep), the draft log-prob of each drafted node's token."""
+    batch, depth, top_k = log_probs.shape
+    device = log_probs.device
     # Summed in at least float32: a bf16 running sum would blur which path is best.
     scores_in = log_probs.to(torch.promote_types(log_probs.dtype, torch.float32))
 
     # Per depth: each kept node's path score, parent (rank in the previous depth) and choice index.
     level_scores, level_parents, level_choices = [], [], []
     previous = torch.zeros(batch, 1, dtype=scores_in.dtype, device=device)  # the root
-    for position in range(depth if keep else 0):
+    for position in range(depth):
         parent_ranks, choices = _expandable(previous.shape[1], top_k, keep, device)
         candidates = previous[:, parent_ranks] + scores_in[:, position, choices]  # in (parent rank, choice) order
         order = candidates.argsort(dim=1, descending=True, stable=True)[:, :keep]
@@ -82,15 +98,12 @@ def ddtree_trees(roots: torch.Tensor, log_probs: torch.Tensor, token_ids: torch.
         level_scores.append(previous)
         level_parents.append(parent_ranks[order])
         level_choices.append(choices[order])
-    if not level_scores:
-        trees = [DraftTree([root], [-1]) for root in roots.tolist()]
-        return (trees, [[0.0] for _ in trees]) if with_log_probs else trees
 
     # Rank every kept node of every depth; depth-major concatenation makes ties go to the shallower node.
     scores = torch.cat(level_scores, dim=1)
     ranked = scores.argsort(dim=1, descending=True, stable=True)
     rank = torch.empty_like(ranked).scatter_(1, ranked, torch.arange(scores.shape[1], device=device).expand_as(ranked))
-    chosen = rank < torch.tensor(budget_list, device=device)[:, None]
+    chosen = rank < budgets[:, None]
     # A chosen node's place in its tree (0 is the root; unchosen nodes get 0 and are written to a dump column).
     places = chosen.long().cumsum(dim=1) * chosen
     tokens, parents, node_log_probs = [], [], []
@@ -102,23 +115,24 @@ def ddtree_trees(roots: torch.Tensor, log_probs: torch.Tensor, token_ids: torch.
         parents.append(parent_places.gather(1, parent))
         parent_places = places[:, offset:offset + parent.shape[1]]
         offset += parent.shape[1]
-    width = keep + 1  # column 0 collects the unchosen nodes; columns 1.. are a tree's drafted nodes in order
 
     def compact(values: torch.Tensor) -> torch.Tensor:
+        """Column 0 collects the unchosen nodes; columns 1..keep are a tree's drafted nodes in order."""
         return torch.zeros(batch, scores.shape[1] + 1, dtype=values.dtype, device=device).scatter_(
-            1, places, values)[:, 1:width]
+            1, places, values)[:, 1:keep + 1]
 
     counts = chosen.sum(dim=1, keepdim=True)
-    packed = torch.cat([roots.to(torch.long)[:, None], counts, compact(torch.cat(tokens, 1)),
-                        compact(torch.cat(parents, 1))], dim=1).tolist()
+    packed = torch.cat([counts, compact(torch.cat(tokens, 1)), compact(torch.cat(parents, 1))], dim=1)
+    return packed, compact(torch.cat(node_log_probs, 1))
+
+
+def unpack_trees(roots: list[int], packed: list[list[int]]) -> list[DraftTree]:
+    """The trees ddtree_select packed (its rows as lists), under their roots."""
     trees = []
-    for row in packed:
-        root, count = row[0], row[1]
-        trees.append(DraftTree([root] + row[2:2 + count], [-1] + row[2 + keep:2 + keep + count]))
-    if not with_log_probs:
-        return trees
-    drafted = compact(torch.cat(node_log_probs, 1)).tolist()
-    return trees, [[0.0] + row[:tree.size - 1] for row, tree in zip(drafted, trees)]
+    for root, row in zip(roots, packed):
+        keep, count = (len(row) - 1) // 2, row[0]
+        trees.append(DraftTree([root] + row[1:1 + count], [-1] + row[1 + keep:1 + keep + count]))
+    return trees
 
 
 @functools.lru_cache(maxsize=256)

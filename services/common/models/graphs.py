@@ -131,8 +131,10 @@ class PagedRunner:
     replaying the smallest captured bucket that holds the batch (capture with `capture()`; a batch beyond the
     maxima runs eagerly); without, eagerly at the batch's own padded size, through the same staging.
 
-    `forward(rows: TreeRows)` returns a tuple of tensors (or None) whose first dimension is the rows; it may
-    only read `rows` and the pool, so that a graph captured on static inputs replays it."""
+    `forward(rows: TreeRows)` returns a tuple of tensors (or None) whose first dimension is the rows, except the
+    last `request_outputs`, which have one row per request (a result the forward reduces each request's rows
+    to, as a DFlash drafter's tree); it may only read `rows`, the pool and buffers its owner fills before each
+    run, so that a graph captured on static inputs replays it."""
 
     # Forwards are staged in two sets of host buffers in turn: a forward that follows another one within a round
     # (a prompt's next piece) is staged while the copies of the one before are still queued behind that one's
@@ -141,12 +143,12 @@ class PagedRunner:
     STAGING_BUFFERS = 2
 
     def __init__(self, pool: PagedKVCache, forward, max_batch: int, row_buckets: list[int], max_length: int,
-                 graphs: bool = False):
+                 graphs: bool = False, request_outputs: int = 0):
         if max_batch < 1 or not row_buckets:
             raise TreeserveError(f"no buckets to run: batch up to {max_batch}, rows {row_buckets}")
         if graphs and pool.data.device.type != "cuda":
             raise TreeserveError("CUDA graphs need the model on a CUDA device")
-        self.pool, self.forward = pool, forward
+        self.pool, self.forward, self.request_outputs = pool, forward, request_outputs
         self.device = pool.data.device
         self.max_batch, self.row_buckets = max_batch, sorted(row_buckets)
         self.max_rows = self.row_buckets[-1]
@@ -228,7 +230,8 @@ class PagedRunner:
     def run(self, sequences: list[PagedSequence], tokens: list[list[int]], positions: list[torch.Tensor],
             masks: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
         """One forward over every request's new rows (reserved here in its sequence); returns the outputs
-        viewed as (batch, rows, ...), padding included: request b's row i is [b, i]."""
+        viewed as (batch, rows, ...), padding included: request b's row i is [b, i] (a per-request output:
+        (batch, ...), request b's at [b])."""
         if any(sequence.cache is not self.pool for sequence in sequences):
             raise TreeserveError("a sequence from another KV pool")
         batch, rows = len(sequences), max(len(t) for t in tokens)
@@ -269,7 +272,9 @@ class PagedRunner:
             captured = self.graphs[key]
             captured.graph.replay()
             outputs = captured.outputs
-        return tuple(None if out is None else out.view(batch, rows, *out.shape[1:]) for out in outputs)
+        per_row = len(outputs) - self.request_outputs
+        return tuple(out if out is None or i >= per_row else out.view(batch, rows, *out.shape[1:])
+                     for i, out in enumerate(outputs))
 
     def _copied(self) -> None:
         """Mark (on a GPU) where the copies out of the last staging buffers end in the stream."""

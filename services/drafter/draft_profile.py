@@ -1,0 +1,147 @@
+"""python -m treeserve.drafter.draft_profile: where a DFlash drafter's round goes, in process.
+
+For each tree size limit (the drafter's max budget) and batch size, requests with a context of --context tokens
+each take rounds of --new-tokens accepted tokens: the host time of each step of a round, each step timed on its
+own (the device synchronised before and after it), and the device time of one replay of the block graph. Trees
+and their cost do not depend on the features' values, so the features are random; the target supplies the
+embedding and the LM head. Medians over --repeats rounds, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from treeserve.cli import OneLineErrorParser
+from treeserve.errors import TreeserveError
+
+STEPS = ("extend", "write_context", "block_and_trees", "trees_to_host", "propose", "propose_merged")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = OneLineErrorParser(prog="python -m treeserve.drafter.draft_profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m", help="model name, HF folder or .gguf (default %(default)s)")
+    parser.add_argument("--drafter-path", help="a DFlash checkpoint (default: the one shipped for --target)")
+    parser.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--batches", default="1,16,64", help="comma-separated batch sizes (default %(default)s)")
+    parser.add_argument("--max-budgets", default="32,128", help="comma-separated drafter max budgets (default %(default)s)")
+    parser.add_argument("--budget", type=int, default=32, help="each request's budget (default %(default)s)")
+    parser.add_argument("--context", type=int, default=300, help="context tokens per request (default %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=4, help="tokens each round adds (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=30, help="rounds timed per cell (default %(default)s)")
+    parser.add_argument("--out", type=Path, help="write the results here as JSON")
+    args = parser.parse_args(argv)
+    args.argv = argv if argv is not None else sys.argv[1:]
+    try:
+        args.batches = [int(b) for b in args.batches.split(",")]
+        args.max_budgets = [int(b) for b in args.max_budgets.split(",")]
+    except ValueError:
+        parser.error("--batches and --max-budgets are comma-separated numbers")
+    if min(args.batches) < 1 or args.context < 2 or args.new_tokens < 1 or args.repeats < 1:
+        parser.error("--batches, --new-tokens and --repeats must be positive, --context at least 2")
+    if not 0 <= args.budget <= min(args.max_budgets):
+        parser.error("--budget must be between 0 and the smallest --max-budgets")
+    return args
+
+
+def profile_cell(merged, batch: int, args, torch) -> dict:
+    """Median milliseconds of each step over args.repeats rounds of `batch` requests."""
+    from treeserve.drafter.trees import unpack_trees
+
+    dflash, cuda = merged.dflash, args.device == "cuda"
+    vocab = dflash.embedding.shape[0]
+    generator = torch.Generator().manual_seed(batch)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=generator).tolist()
+
+    def features(n: int):
+        return torch.randn(n, dflash.feature_size, generator=generator).to(dflash.model.dtype)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    contexts = [merged.new_context() for _ in range(batch)]
+    for context in contexts:
+        merged.extend(context, tokens(args.context), features(args.context - 1))
+    budgets = [args.budget] * batch
+    merged.propose(contexts, budgets)  # first use: kernels compile, shapes warm up
+    times: dict[str, list[float]] = {step: [] for step in (*STEPS, "replay_device")}
+    for _ in range(args.repeats):
+        new = [(tokens(args.new_tokens), features(args.new_tokens)) for _ in contexts]
+        inner = [context.dflash for context in contexts]
+        marks = []
+        sync()
+        marks.append(time.perf_counter())
+        for context, (new_tokens, new_features) in zip(contexts, new):
+            merged.extend(context, new_tokens, new_features)
+        marks.append(time.perf_counter())
+        dflash.write_context()
+        sync()
+        marks.append(time.perf_counter())
+        _, packed = dflash._run_block(inner, budgets)
+        sync()
+        marks.append(time.perf_counter())
+        unpack_trees([context.tokens[-1] for context in inner], packed.tolist())
+        marks.append(time.perf_counter())
+        dflash.propose(inner, budgets)
+        sync()
+        marks.append(time.perf_counter())
+        merged.propose(contexts, budgets)
+        sync()
+        marks.append(time.perf_counter())
+        for step, start, end in zip(STEPS, marks, marks[1:]):
+            times[step].append(end - start)
+        times["replay_device"].append(replay_seconds(dflash, batch, torch) if cuda else 0.0)
+    for context in contexts:
+        merged.release(context)
+    return {step: round(statistics.median(values) * 1000, 3) for step, values in times.items()}
+
+
+def replay_seconds(dflash, batch: int, torch) -> float:
+    """Device time of one replay of the block graph that holds `batch` requests."""
+    captured = dflash.runner.graphs[dflash.runner.bucket(batch, dflash.model.config.block_size)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    captured.graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import torch
+
+        from treeserve.drafter import load_drafter
+        from treeserve.loading import load_target
+
+        target = load_target(args.target, device=args.device, dtype=args.dtype)
+        rows = []
+        for max_budget in args.max_budgets:
+            merged = load_drafter("merged", args.drafter_path, target=target, device=args.device, dtype=args.dtype,
+                                  max_batch=max(args.batches), graphs=args.device == "cuda", max_budget=max_budget)
+            for batch in args.batches:
+                rows.append({"max_budget": max_budget, "batch": batch, "ms": profile_cell(merged, batch, args, torch)})
+                print(json.dumps(rows[-1]), flush=True)
+    except TreeserveError as error:
+        print(f"draft_profile: error: {error}", file=sys.stderr)
+        return 1
+    report = {"command": " ".join(["python -m treeserve.drafter.draft_profile", *args.argv]), "target": args.target,
+              "device": args.device, "dtype": args.dtype, "budget": args.budget, "context": args.context,
+              "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": rows}
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
