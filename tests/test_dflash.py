@@ -317,33 +317,43 @@ def test_dflash_speculation_is_lossless(family, tree):
 
 @pytest.mark.parametrize("tree", ["chain", "ddtree"])
 def test_a_batch_of_requests_drafts_what_each_would_alone(tree):
-    """Requests of many context lengths, extended in one round (their context rows written together) and
-    proposed together in chunks of max_batch, get the trees each gets alone: the best tree of its budget from
-    its own block distributions."""
+    """Requests of many context lengths, extended round by round (a round's context rows written inside the
+    next block forward, or before it when there are more than a block of them) and proposed together in
+    chunks of max_batch, get the trees each gets alone: the best tree of its budget from its own block
+    distributions, its context written from scratch by the model's extend_context."""
     from treeserve.drafter.dflash import DFlashDrafter
     from treeserve.drafter.trees import ddtree_from_distributions
 
     target = random_target("qwen3", seed=8, vocab_size=VOCAB, weight_scale=2.0)
     model = random_dflash_drafter(target, tree, seed=2).model
+    block = model.config.block_size
     together = DFlashDrafter(model, target.model.embed_tokens.weight, target.lm_head.weight, tree, max_batch=2)
     alone = DFlashDrafter(model, target.model.embed_tokens.weight, target.lm_head.weight, tree, max_batch=1)
     rng = random.Random(3)
-    histories = [[rng.randrange(VOCAB - 1) for _ in range(rng.randint(2, 40))] for _ in range(5)]
+    # Prompts of fewer and of more rows than a block; then rounds that add 1 .. block tokens.
+    histories = [[rng.randrange(VOCAB - 1) for _ in range(length)] for length in (2, block, 3 * block, 40, 5)]
     budgets = [0, 1, 7, 30, 128]
     contexts = [together.new_context() for _ in histories]
-    for context, tokens in zip(contexts, histories):  # one round's extends, written at the next propose
-        together.extend(context, tokens, target_features(target, tokens[:-1], (0, 1)))
-    trees = together.propose(contexts, budgets)
-    for tokens, budget, tree_got in zip(histories, budgets, trees):
-        own = alone.new_context()  # its context written on its own, by the model's extend_context
-        own.tokens = list(tokens)
-        model.extend_context(own.sequence, target_features(target, tokens[:-1], (0, 1)))
-        roots, log_probs = alone.block_log_probs([own])
-        assert tree_got == alone.propose([own], [budget])[0]
-        if tree == "ddtree":
-            assert tree_got == ddtree_from_distributions(roots, log_probs, [budget])[0]
-        assert tree_got.size - 1 == min(budget, 5 if tree == "chain" else budget)
-        alone.release(own)
+    added = [[] for _ in histories]
+    for round_number in range(3):
+        for context, tokens, new in zip(contexts, histories, added):
+            # Features of the tokens that entered the target's KV since: all but the newest (the next root).
+            features = target_features(target, tokens[:-1], (0, 1))[max(len(context.tokens) - 1, 0):]
+            together.extend(context, new if context.tokens else tokens, features)
+        trees = together.propose(contexts, budgets)
+        for tokens, budget, tree_got in zip(histories, budgets, trees):
+            own = alone.new_context()
+            own.tokens = list(tokens)
+            model.extend_context(own.sequence, target_features(target, tokens[:-1], (0, 1)))
+            roots, log_probs = alone.block_log_probs([own])
+            assert tree_got == alone.propose([own], [budget])[0], (round_number, len(tokens))
+            if tree == "ddtree":
+                assert tree_got == ddtree_from_distributions(roots, log_probs, [budget])[0]
+            assert tree_got.size - 1 == min(budget, block - 1 if tree == "chain" else budget)
+            alone.release(own)
+        for tokens, new in zip(histories, added):  # the next round's accepted tokens
+            new[:] = [rng.randrange(VOCAB - 1) for _ in range(rng.randint(1, block))]
+            tokens += new
     for context in contexts:
         together.release(context)
     assert together.pool.allocator.free_count == together.pool.allocator.num_blocks

@@ -25,6 +25,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -224,11 +225,17 @@ def save_dflash(model: DFlashModel, folder: str | Path, dtype: torch.dtype = tor
 
 class DFlashRequest:
     """One request's draft context: its tokens and, in `sequence`, the draft layers' context keys/values
-    (every committed token but the root, whose features the target has not produced yet)."""
+    (every committed token but the root, whose features the target has not produced yet). Rows extended since
+    its last block forward wait in `unwritten` (slots, positions, features) until the next one writes them."""
 
     def __init__(self, sequence: PagedSequence):
         self.tokens: list[int] = []
         self.sequence = sequence
+        self.unwritten: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def unwritten_rows(self) -> int:
+        return sum(len(slots) for slots, _, _ in self.unwritten)
 
 
 TREES = ("chain", "ddtree")
@@ -282,9 +289,13 @@ class DFlashDrafter:
         self.block_mask = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool)
         self.runner = PagedRunner(self.pool, self._block_forward, max_batch, [cfg.block_size],
                                   max_context or cfg.layers.max_context, graphs, request_outputs=1)
-        # Context rows extended but not yet written (slots, positions, features): written together before the
-        # next block forward, one pass for every request of a round.
-        self.unwritten: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # The block forward first writes each request's new context rows, up to block_size of them in its share
+        # of these inputs (slot -1: nothing), so that a round's context write is part of the one graph replay.
+        rows = max_batch * cfg.block_size
+        self.context_features = torch.zeros(rows, cfg.feature_size, dtype=model.dtype, device=device)
+        self.context_slots = torch.full((rows,), -1, dtype=torch.long, device=device)
+        self.context_positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.unwritten: dict[int, DFlashRequest] = {}  # id -> a context with rows not written yet
 
     @classmethod
     def for_target(cls, path: str | Path, target_model, tree: str = "ddtree", **options) -> "DFlashDrafter":
@@ -295,6 +306,7 @@ class DFlashDrafter:
                    max_context=target_model.config.max_context, **options)
 
     def capture(self) -> None:
+        self.context_slots.fill_(-1)  # the captures run the forward for real: it must write nothing
         seconds = self.runner.capture()
         log.info("captured %d CUDA graphs of the DFlash block forward and trees (batch up to %d) in %.1f s",
                  len(self.runner.graphs), self.runner.max_batch, seconds)
@@ -304,7 +316,8 @@ class DFlashDrafter:
 
     def release(self, context: DFlashRequest) -> None:
         """Return the context's blocks to the pool (the request finished or left)."""
-        self.write_context()  # rows still waiting for blocks that are about to be freed
+        context.unwritten.clear()  # rows for the blocks being freed: never written
+        self.unwritten.pop(id(context), None)
         context.sequence.release()
 
     def extend(self, context: DFlashRequest, tokens: list[int], features: torch.Tensor | None) -> None:
@@ -326,22 +339,56 @@ class DFlashDrafter:
         context.tokens.extend(tokens)
         if rows:
             positions = torch.arange(sequence.length, sequence.length + rows)
-            self.unwritten.append((sequence.reserve(rows), positions, features))
+            context.unwritten.append((sequence.reserve(rows), positions, features))
             sequence.keep(list(range(rows)))
+            self.unwritten[id(context)] = context
 
-    def write_context(self) -> None:
-        """Write every extended context row not written yet, all requests' in one pass."""
-        if not self.unwritten:
-            return
-        slots, positions, features = (torch.cat(parts) for parts in zip(*self.unwritten))
-        self.unwritten.clear()
-        self.model.write_context(self.pool, slots, positions, features, self.kernels)
+    def write_context(self, contexts: list[DFlashRequest] | None = None) -> None:
+        """Write the unwritten context rows of `contexts` (default: every context's) now, in one eager pass."""
+        contexts = list(self.unwritten.values()) if contexts is None else contexts
+        parts = [part for context in contexts for part in self._take_unwritten(context)]
+        if parts:
+            slots, positions, features = (torch.cat(column) for column in zip(*parts))
+            self.model.write_context(self.pool, slots, positions, features, self.kernels)
+
+    def _take_unwritten(self, context: DFlashRequest) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        parts, context.unwritten = context.unwritten, []
+        self.unwritten.pop(id(context), None)
+        return parts
+
+    def _stage_context_rows(self, contexts: list[DFlashRequest]) -> None:
+        """Place each context's unwritten rows in its share of the block forward's context inputs; a context
+        with more than block_size of them (a prompt) is written eagerly first."""
+        block = self.model.config.block_size
+        self.write_context([context for context in contexts if context.unwritten_rows > block])
+        starts, parts = [], []
+        for index, context in enumerate(contexts):
+            row = index * block
+            for part in self._take_unwritten(context):
+                starts.append(row)
+                parts.append(part)
+                row += len(part[0])
+        slots = torch.full((len(self.context_slots),), -1, dtype=torch.long)
+        positions = torch.zeros(len(self.context_positions), dtype=torch.long)
+        if parts:
+            counts = np.array([len(part[0]) for part in parts])
+            rows = torch.from_numpy(np.repeat(np.array(starts) - np.cumsum(counts) + counts, counts)
+                                    + np.arange(counts.sum()))
+            new_slots, new_positions, features = (torch.cat(column) for column in zip(*parts))
+            slots[rows], positions[rows] = new_slots, new_positions
+            self.context_features.index_copy_(0, rows.to(self.context_features.device),
+                                              features.to(self.context_features.device, self.context_features.dtype))
+        self.context_slots.copy_(slots)
+        self.context_positions.copy_(positions)
 
     def _block_forward(self, rows: TreeRows):
         """Log-probabilities (rows, vocab) of every block row and each request's tree, packed as
-        trees.ddtree_select packs it: the one forward a graph captures."""
-        log_probs = self.row_log_probs(rows)
+        trees.ddtree_select packs it, after writing the round's context rows: the one forward a graph captures."""
         batch = rows.paged.batch
+        staged = slice(0, batch * self.model.config.block_size)
+        self.model.write_context(self.pool, self.context_slots[staged], self.context_positions[staged],
+                                 self.context_features[staged], self.kernels)
+        log_probs = self.row_log_probs(rows)
         drafted = log_probs.view(batch, -1, log_probs.shape[-1])[:, 1:]  # the positions after each root
         top = drafted.topk(self.top_k, dim=-1)
         packed, _ = ddtree_select(top.values, top.indices, self.budgets[:batch], self.tree_width)
@@ -357,7 +404,7 @@ class DFlashDrafter:
     def _run_block(self, contexts: list[DFlashRequest], budgets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The block forward of these contexts (at most max_batch): their log-probabilities (B, block_size,
         vocab) and packed trees (B, 1 + 2 * tree_width)."""
-        self.write_context()
+        self._stage_context_rows(contexts)
         block, mask_token = self.model.config.block_size, self.model.config.mask_token_id
         sequences = [context.sequence for context in contexts]
         self.budgets.copy_(torch.tensor(budgets + [0] * (len(self.budgets) - len(budgets))))

@@ -2,9 +2,9 @@
 
 For each tree size limit (the drafter's max budget) and batch size, requests with a context of --context tokens
 each take rounds of --new-tokens accepted tokens: the host time of each step of a round, each step timed on its
-own (the device synchronised before and after it), and the device time of one replay of the block graph. Trees
-and their cost do not depend on the features' values, so the features are random; the target supplies the
-embedding and the LM head. Medians over --repeats rounds, in milliseconds.
+own (the device synchronised before and after it), and the device time of one replay of the block graph
+(context write, block forward and trees). Trees and their cost do not depend on the features' values, so the
+features are random; the target supplies the embedding and the LM head. Medians over --repeats, in ms.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from treeserve.cli import OneLineErrorParser
 from treeserve.errors import TreeserveError
 
-STEPS = ("extend", "write_context", "block_and_trees", "trees_to_host", "propose", "propose_merged")
+STEPS = ("extend", "propose_merged", "propose", "block_and_trees", "trees_to_host")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,54 +51,51 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def profile_cell(merged, batch: int, args, torch) -> dict:
-    """Median milliseconds of each step over args.repeats rounds of `batch` requests."""
+    """Median milliseconds of each step over args.repeats repeats of three rounds of `batch` requests: one
+    timing the extends and then the merged drafter's whole proposal, one the DFlash drafter's proposal alone,
+    one its block forward (context write, block, trees) and the trees' copy to the host apart."""
     from treeserve.drafter.trees import unpack_trees
 
     dflash, cuda = merged.dflash, args.device == "cuda"
     vocab = dflash.embedding.shape[0]
     generator = torch.Generator().manual_seed(batch)
 
-    def tokens(n: int) -> list[int]:
-        return torch.randint(0, vocab, (n,), generator=generator).tolist()
-
-    def features(n: int):
-        return torch.randn(n, dflash.feature_size, generator=generator).to(dflash.model.dtype)
-
     def sync():
         if cuda:
             torch.cuda.synchronize()
 
+    def extend_all(new_tokens: int) -> float:
+        rounds = [(torch.randint(0, vocab, (new_tokens,), generator=generator).tolist(),
+                   torch.randn(new_tokens - (not context.tokens), dflash.feature_size,
+                               generator=generator).to(dflash.model.dtype)) for context in contexts]
+        sync()
+        started = time.perf_counter()
+        for context, (tokens, features) in zip(contexts, rounds):
+            merged.extend(context, tokens, features)
+        return time.perf_counter() - started
+
+    def timed(step) -> float:
+        sync()
+        started = time.perf_counter()
+        step()
+        sync()
+        return time.perf_counter() - started
+
     contexts = [merged.new_context() for _ in range(batch)]
-    for context in contexts:
-        merged.extend(context, tokens(args.context), features(args.context - 1))
+    inner = [context.dflash for context in contexts]
     budgets = [args.budget] * batch
+    extend_all(args.context)
     merged.propose(contexts, budgets)  # first use: kernels compile, shapes warm up
     times: dict[str, list[float]] = {step: [] for step in (*STEPS, "replay_device")}
     for _ in range(args.repeats):
-        new = [(tokens(args.new_tokens), features(args.new_tokens)) for _ in contexts]
-        inner = [context.dflash for context in contexts]
-        marks = []
-        sync()
-        marks.append(time.perf_counter())
-        for context, (new_tokens, new_features) in zip(contexts, new):
-            merged.extend(context, new_tokens, new_features)
-        marks.append(time.perf_counter())
-        dflash.write_context()
-        sync()
-        marks.append(time.perf_counter())
-        _, packed = dflash._run_block(inner, budgets)
-        sync()
-        marks.append(time.perf_counter())
-        unpack_trees([context.tokens[-1] for context in inner], packed.tolist())
-        marks.append(time.perf_counter())
-        dflash.propose(inner, budgets)
-        sync()
-        marks.append(time.perf_counter())
-        merged.propose(contexts, budgets)
-        sync()
-        marks.append(time.perf_counter())
-        for step, start, end in zip(STEPS, marks, marks[1:]):
-            times[step].append(end - start)
+        times["extend"].append(extend_all(args.new_tokens))
+        times["propose_merged"].append(timed(lambda: merged.propose(contexts, budgets)))
+        extend_all(args.new_tokens)
+        times["propose"].append(timed(lambda: dflash.propose(inner, budgets)))
+        extend_all(args.new_tokens)
+        packed = []
+        times["block_and_trees"].append(timed(lambda: packed.append(dflash._run_block(inner, budgets)[1])))
+        times["trees_to_host"].append(timed(lambda: unpack_trees([c.tokens[-1] for c in inner], packed[0].tolist())))
         times["replay_device"].append(replay_seconds(dflash, batch, torch) if cuda else 0.0)
     for context in contexts:
         merged.release(context)

@@ -25,6 +25,7 @@ within a depth the order is (parent's rank, choice index): elder siblings first.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -84,37 +85,33 @@ def ddtree_select(log_probs: torch.Tensor, token_ids: torch.Tensor, budgets: tor
     (unpack_trees reads it); and node_log_probs (B, keep), the draft log-prob of each drafted node's token."""
     batch, depth, top_k = log_probs.shape
     device = log_probs.device
+    plan = _search_plan(depth, top_k, keep, device)
     # Summed in at least float32: a bf16 running sum would blur which path is best.
     scores_in = log_probs.to(torch.promote_types(log_probs.dtype, torch.float32))
 
-    # Per depth: each kept node's path score, parent (rank in the previous depth) and choice index.
-    level_scores, level_parents, level_choices = [], [], []
+    # Per depth, the kept nodes' path scores and, as `orders`, which of the depth's candidate pairs they are.
+    level_scores, orders = [], []
     previous = torch.zeros(batch, 1, dtype=scores_in.dtype, device=device)  # the root
-    for position in range(depth):
-        parent_ranks, choices = _expandable(previous.shape[1], top_k, keep, device)
+    for position, (parent_ranks, choices) in enumerate(plan.pairs):
         candidates = previous[:, parent_ranks] + scores_in[:, position, choices]  # in (parent rank, choice) order
         order = candidates.argsort(dim=1, descending=True, stable=True)[:, :keep]
         previous = candidates.gather(1, order)
         level_scores.append(previous)
-        level_parents.append(parent_ranks[order])
-        level_choices.append(choices[order])
+        orders.append(order)
 
     # Rank every kept node of every depth; depth-major concatenation makes ties go to the shallower node.
     scores = torch.cat(level_scores, dim=1)
     ranked = scores.argsort(dim=1, descending=True, stable=True)
-    rank = torch.empty_like(ranked).scatter_(1, ranked, torch.arange(scores.shape[1], device=device).expand_as(ranked))
+    rank = torch.empty_like(ranked).scatter_(1, ranked, plan.columns.expand_as(ranked))
     chosen = rank < budgets[:, None]
     # A chosen node's place in its tree (0 is the root; unchosen nodes get 0 and are written to a dump column).
     places = chosen.long().cumsum(dim=1) * chosen
-    tokens, parents, node_log_probs = [], [], []
-    parent_places = torch.zeros(batch, 1, dtype=torch.long, device=device)
-    offset = 0
-    for position, (parent, choice) in enumerate(zip(level_parents, level_choices)):
-        tokens.append(token_ids[:, position].gather(1, choice))
-        node_log_probs.append(log_probs[:, position].gather(1, choice))
-        parents.append(parent_places.gather(1, parent))
-        parent_places = places[:, offset:offset + parent.shape[1]]
-        offset += parent.shape[1]
+    # Every kept node's pair, looked up once for all depths: its token, and its parent's place (the root's, 0,
+    # in front of the places, for depth 1).
+    pair = torch.cat(orders, dim=1) + plan.pair_offsets
+    cell = plan.cells[pair]  # its (position, choice) in the flattened top-k lists
+    tokens = token_ids.reshape(batch, -1).gather(1, cell)
+    parents = torch.cat([torch.zeros_like(places[:, :1]), places], dim=1).gather(1, plan.parent_columns[pair])
 
     def compact(values: torch.Tensor) -> torch.Tensor:
         """Column 0 collects the unchosen nodes; columns 1..keep are a tree's drafted nodes in order."""
@@ -122,8 +119,41 @@ def ddtree_select(log_probs: torch.Tensor, token_ids: torch.Tensor, budgets: tor
             1, places, values)[:, 1:keep + 1]
 
     counts = chosen.sum(dim=1, keepdim=True)
-    packed = torch.cat([counts, compact(torch.cat(tokens, 1)), compact(torch.cat(parents, 1))], dim=1)
-    return packed, compact(torch.cat(node_log_probs, 1))
+    packed = torch.cat([counts, compact(tokens), compact(parents)], dim=1)
+    return packed, compact(log_probs.reshape(batch, -1).gather(1, cell))
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchPlan:
+    """The index tables of a search of shape (D, K, keep), on its device: per depth, the (parent rank, choice)
+    pairs it expands; and over every depth's pairs concatenated, each pair's cell in the flattened (D * K)
+    top-k lists and its parent's column among [root] + every depth's kept nodes."""
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    pair_offsets: torch.Tensor  # (kept nodes,): where each depth's pairs start, for each of its kept columns
+    cells: torch.Tensor
+    parent_columns: torch.Tensor
+    columns: torch.Tensor  # 0 .. kept nodes - 1
+
+
+@functools.lru_cache(maxsize=64)
+def _search_plan(depth: int, top_k: int, keep: int, device: torch.device) -> SearchPlan:
+    pairs, offsets, cells, parent_columns = [], [], [], []
+    width, pair_start, level_start = 1, 0, 0  # the previous depth's kept nodes; where its pairs and columns start
+    for position in range(depth):
+        parent_ranks, choices = _expandable(width, top_k, keep)
+        pairs.append((torch.tensor(parent_ranks, device=device), torch.tensor(choices, device=device)))
+        kept = min(keep, len(parent_ranks))
+        offsets += [pair_start] * kept
+        cells += [position * top_k + choice for choice in choices]
+        # Parent columns count the root as column 0, so depth d's parents start after depth d - 1's start.
+        parent_columns += [0 if position == 0 else level_start + 1 + rank for rank in parent_ranks]
+        if position:
+            level_start += width
+        width, pair_start = kept, pair_start + len(parent_ranks)
+    as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
+    return SearchPlan(pairs, as_tensor(offsets), as_tensor(cells), as_tensor(parent_columns),
+                      torch.arange(len(offsets), device=device))
 
 
 def unpack_trees(roots: list[int], packed: list[list[int]]) -> list[DraftTree]:
@@ -135,14 +165,12 @@ def unpack_trees(roots: list[int], packed: list[list[int]]) -> list[DraftTree]:
     return trees
 
 
-@functools.lru_cache(maxsize=256)
-def _expandable(parents: int, choices: int, keep: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (parent rank i, choice k) pairs with (i + 1)(k + 1) <= keep, in (i, k) order, as two index tensors:
+def _expandable(parents: int, choices: int, keep: int) -> tuple[list[int], list[int]]:
+    """The (parent rank i, choice k) pairs with (i + 1)(k + 1) <= keep, in (i, k) order, as two index lists:
     the only children of `parents` sorted nodes that can rank among the best `keep` (see the module docstring).
     When parents * choices <= keep, that is every pair."""
     pairs = [(i, k) for i in range(parents) for k in range(min(choices, keep // (i + 1)))]
-    index = torch.tensor(pairs, dtype=torch.long).T.to(device)
-    return index[0], index[1]
+    return [i for i, _ in pairs], [k for _, k in pairs]
 
 
 def _budget_list(budgets, batch: int) -> list[int]:
