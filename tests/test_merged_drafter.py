@@ -30,6 +30,31 @@ def test_merge_puts_the_chain_first_and_shares_its_prefix_with_the_tree():
     assert merge(9, [], tree) == tree  # no continuation: the tree as it is
 
 
+def test_merge_is_the_trie_of_the_chain_and_the_tree():
+    """On random trees of few tokens (so that they often repeat the chain) and chains of every length: the
+    merged tree's paths are the chain's prefixes and the tree's paths, each once, the chain first, parents
+    before children, and the tree's nodes in its order after the chain."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        size = rng.randint(1, 30)
+        parents = [-1] + [rng.randrange(node) for node in range(1, size)]
+        tokens = [9]
+        for node in range(1, size):  # distinct tokens among siblings, as DDTree's
+            taken = {tokens[c] for c in range(1, node) if parents[c] == parents[node]}
+            tokens.append(rng.choice([t for t in range(4) if t not in taken] or [10 + node]))
+        tree = DraftTree(tokens, parents)
+        chain = [rng.randrange(4) for _ in range(rng.randint(0, 6))]
+        merged = merge(9, chain, tree)
+        merged.validate(VOCAB + 100)
+        paths = token_paths(merged)
+        assert len(paths) == len(set(paths))
+        expected = [tuple(chain[:d]) for d in range(1, len(chain) + 1)]
+        expected += [path for path in token_paths(tree) if path not in expected]
+        assert paths == expected
+
+
 def test_merged_trees_hold_the_lookup_continuation_and_keep_to_the_budget():
     target = random_target("llama", seed=2, vocab_size=VOCAB, weight_scale=2.0)
     drafter = MergedDrafter(random_dflash_drafter(target, "ddtree"))

@@ -231,7 +231,7 @@ class DFlashRequest:
     def __init__(self, sequence: PagedSequence):
         self.tokens: list[int] = []
         self.sequence = sequence
-        self.unwritten: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.unwritten: list[tuple[torch.Tensor, np.ndarray, torch.Tensor]] = []
 
     @property
     def unwritten_rows(self) -> int:
@@ -286,7 +286,7 @@ class DFlashDrafter:
         self.block_reserve = max_batch * (-(-cfg.block_size // POOL_BLOCK) + 1)
         self.pool = PagedKVCache(cfg.layers, -(-tokens // POOL_BLOCK) + self.block_reserve, POOL_BLOCK, model.dtype,
                                  device)
-        self.block_mask = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool)
+        self.block_mask = np.ones((cfg.block_size, cfg.block_size), dtype=np.int8)  # a block sees all of itself
         self.runner = PagedRunner(self.pool, self._block_forward, max_batch, [cfg.block_size],
                                   max_context or cfg.layers.max_context, graphs, request_outputs=1)
         # The block forward first writes each request's new context rows, up to block_size of them in its share
@@ -338,7 +338,7 @@ class DFlashDrafter:
                                     f"{POOL_BLOCK}) is full; raise --kv-cache-tokens")
         context.tokens.extend(tokens)
         if rows:
-            positions = torch.arange(sequence.length, sequence.length + rows)
+            positions = np.arange(sequence.length, sequence.length + rows)
             context.unwritten.append((sequence.reserve(rows), positions, features))
             sequence.keep(list(range(rows)))
             self.unwritten[id(context)] = context
@@ -348,10 +348,11 @@ class DFlashDrafter:
         contexts = list(self.unwritten.values()) if contexts is None else contexts
         parts = [part for context in contexts for part in self._take_unwritten(context)]
         if parts:
-            slots, positions, features = (torch.cat(column) for column in zip(*parts))
-            self.model.write_context(self.pool, slots, positions, features, self.kernels)
+            slots, positions, features = zip(*parts)
+            self.model.write_context(self.pool, torch.cat(slots), torch.from_numpy(np.concatenate(positions)),
+                                     torch.cat(features), self.kernels)
 
-    def _take_unwritten(self, context: DFlashRequest) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _take_unwritten(self, context: DFlashRequest) -> list[tuple[torch.Tensor, np.ndarray, torch.Tensor]]:
         parts, context.unwritten = context.unwritten, []
         self.unwritten.pop(id(context), None)
         return parts
@@ -374,8 +375,9 @@ class DFlashDrafter:
             counts = np.array([len(part[0]) for part in parts])
             rows = torch.from_numpy(np.repeat(np.array(starts) - np.cumsum(counts) + counts, counts)
                                     + np.arange(counts.sum()))
-            new_slots, new_positions, features = (torch.cat(column) for column in zip(*parts))
-            slots[rows], positions[rows] = new_slots, new_positions
+            new_slots, new_positions, features = zip(*parts)
+            slots[rows], positions[rows] = torch.cat(new_slots), torch.from_numpy(np.concatenate(new_positions))
+            features = torch.cat(features)
             self.context_features.index_copy_(0, rows.to(self.context_features.device),
                                               features.to(self.context_features.device, self.context_features.dtype))
         self.context_slots.copy_(slots)
@@ -410,7 +412,7 @@ class DFlashDrafter:
         self.budgets.copy_(torch.tensor(budgets + [0] * (len(self.budgets) - len(budgets))))
         log_probs, packed = self.runner.run(
             sequences, [[context.tokens[-1]] + [mask_token] * (block - 1) for context in contexts],
-            [torch.arange(s.length, s.length + block) for s in sequences], [self.block_mask] * len(contexts))
+            [np.arange(s.length, s.length + block) for s in sequences], [self.block_mask] * len(contexts))
         for sequence in sequences:
             sequence.keep([])  # the block's own keys and values are never context
         return log_probs[:len(contexts)], packed[:len(contexts)]

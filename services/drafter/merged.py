@@ -55,22 +55,22 @@ class MergedDrafter:
 
 
 def merge(root: int, chain: list[int], tree: DraftTree) -> DraftTree:
-    """`chain` below the root, then `tree`'s nodes (parents before children) merged in as a trie."""
-    tokens, parents = [root], [-1]
-    node_of: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-
-    def add(parent: int, token: int) -> int:
-        node = node_of.get((parent, token))
-        if node is None:
-            node = node_of[(parent, token)] = len(tokens)
-            tokens.append(token)
-            parents.append(parent)
-        return node
-
-    node = 0
-    for token in chain:
-        node = add(node, token)
+    """`chain` below the root, then `tree`'s nodes (parents before children) merged in as a trie. A DFlash node
+    can only repeat a node of the chain (no two of its own nodes share parent and token): the one whose parent
+    lies on the chain at depth d and whose token is the chain's next, chain[d]."""
+    if not chain:
+        return tree
+    tokens, parents = [root, *chain], list(range(-1, len(chain)))
     merged_of = [0]  # tree node -> merged node
+    chain_depth = [0]  # tree node -> its depth on the chain, or -1 off it
     for token, parent in zip(tree.tokens[1:], tree.parents[1:]):
-        merged_of.append(add(merged_of[parent], token))
+        depth = chain_depth[parent]
+        if 0 <= depth < len(chain) and chain[depth] == token:
+            merged_of.append(depth + 1)
+            chain_depth.append(depth + 1)
+        else:
+            merged_of.append(len(tokens))
+            chain_depth.append(-1)
+            tokens.append(token)
+            parents.append(merged_of[parent])
     return DraftTree(tokens, parents)

@@ -82,7 +82,7 @@ def padded_rows(batch: int, rows: int, table_width: int, pin: bool = False) -> T
 
 
 def stage_trees(sequences: list[PagedSequence], tokens: list[list[int]], positions: list[np.ndarray],
-                masks: list[torch.Tensor], batch: int, rows: int, table_width: int,
+                masks: list[torch.Tensor | np.ndarray], batch: int, rows: int, table_width: int,
                 into: TreeRows | None = None) -> TreeRows:
     """Host tensors of one forward: each request's new rows (reserved here in its sequence) with their tokens,
     positions and mask among themselves, padded to (batch, rows). Staged in new tensors, or `into`: host buffers
@@ -227,8 +227,8 @@ class PagedRunner:
         return min(fitting, default=None)
 
     @torch.inference_mode()
-    def run(self, sequences: list[PagedSequence], tokens: list[list[int]], positions: list[torch.Tensor],
-            masks: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    def run(self, sequences: list[PagedSequence], tokens: list[list[int]], positions: list[np.ndarray],
+            masks: list[torch.Tensor | np.ndarray]) -> tuple[torch.Tensor | None, ...]:
         """One forward over every request's new rows (reserved here in its sequence); returns the outputs
         viewed as (batch, rows, ...), padding included: request b's row i is [b, i] (a per-request output:
         (batch, ...), request b's at [b])."""
