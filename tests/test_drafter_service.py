@@ -173,7 +173,7 @@ def test_flags_from_the_environment(monkeypatch):
 
 @pytest.mark.parametrize("argv, code", [
     (["--max-budget", "0"], 2), (["--kind", "model"], 2), (["--kind", "medusa"], 2),
-    (["--tree", "bush"], 2), (["--grace-s", "soon"], 2), (["--bogus"], 2), (["--listen", "nowhere"], 1),
+    (["--tree", "bush"], 2), (["--grace-s", "soon"], 2), (["--bogus"], 2), (["--listen", "nowhere"], 2),
     (["--kind", "dflash", "--drafter-path", "/nonexistent", "--listen", "unix:///tmp/ts-bad-flags.sock"], 1),
 ])
 def test_bad_flags_exit_with_one_line(argv, code, capsys):

@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--start-timeout-s", type=float, default=600, help="how long to wait for the services")
     up.add_argument("--grace-s", type=float, default=10, help="drain period on stop (default 10)")
     up.add_argument("--demo-prompt", help="once serving, stream one request with this prompt")
+    add_service_flags(up)
 
     health = commands.add_parser("health", help="ask a service whether it is serving (the container healthcheck)",
                                  description="Ask the service at ADDRESS for its grpc.health.v1 status and print "
@@ -121,6 +122,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_drafter_training_commands(commands)
     return parser
+
+
+def add_service_flags(up) -> None:
+    """Every service flag that `up`'s own flags above do not set, as --<service>-<flag> (for example
+    --verifier-kv-cache-tokens), passed on to that service; unset, the service's environment and defaults apply."""
+    from treeserve.launcher import UP_SETS
+    from treeserve.settings import SERVICE_SETTINGS
+
+    for service, settings in SERVICE_SETTINGS.items():
+        group = up.add_argument_group(f"{service} flags", f"passed to the {service} as --FLAG (see python -m "
+                                                           f"treeserve.{service} --help)")
+        for field in settings.fields():
+            if field.name in UP_SETS[service]:
+                continue
+            flag = field.name.replace("_", "-")
+            group.add_argument(f"--{service}-{flag}", dest=f"{service}__{field.name}", metavar=flag.upper(),
+                               action="append" if field.type in ("list[str]", list[str]) else "store",
+                               help=field.metadata["option"].help.replace("%", "%%"))
 
 
 def up_settings(*flags: str) -> argparse.Namespace:

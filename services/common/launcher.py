@@ -93,31 +93,72 @@ class Stack:
             path.unlink(missing_ok=True)
 
 
+# The settings `treeserve up`'s own flags give each service (through service_argv); every other field of a
+# service's settings has a --<service>-<flag> of its own in `up`.
+UP_SETS = {
+    "drafter": ("listen", "target", "device", "dtype", "grace_s", "max_batch", "cuda_graphs", "kind", "tree",
+                "drafter_path"),
+    "verifier": ("listen", "target", "device", "dtype", "grace_s", "max_batch", "cuda_graphs", "default_budget",
+                 "tp", "speculation", "metrics_listen", "drafter"),
+    "gateway": ("listen", "target", "grace_s", "verifier"),
+}
+
+
+def service_argv(service: str, args, **addresses) -> list[str]:
+    """The flags `treeserve up`'s `args` give a service (`addresses`: its peers' --drafter / --verifier), after
+    checking them with the service's environment as the service will; raises TreeserveError for a bad value.
+    What `up` sets always goes on the command line (where it wins over the environment)."""
+    import os
+
+    from treeserve.settings import SERVICE_SETTINGS
+
+    common = {"target": args.target, "device": args.device, "dtype": args.dtype, "grace_s": args.grace_s,
+              "max_batch": args.max_batch, "cuda_graphs": args.cuda_graphs}
+    own = {
+        "drafter": {"kind": args.drafter, "tree": args.tree, "drafter_path": args.drafter_path},
+        "verifier": {"default_budget": args.budget, "tp": args.tp, "speculation": args.speculation,
+                     "metrics_listen": args.verifier_metrics},
+        "gateway": {},
+    }[service]
+    given = {name: value for name, value in {**common, **own, **addresses}.items() if name in UP_SETS[service]}
+    given |= {name.split("__", 1)[1]: value for name, value in vars(args).items()
+              if name.startswith(f"{service}__")}
+    given = {name: value if isinstance(value, list) else str(value) for name, value in given.items()
+             if value is not None}
+    settings = SERVICE_SETTINGS[service]
+    try:
+        settings.read(given, os.environ)
+    except TreeserveError as error:
+        raise TreeserveError(f"the {service}: {error}") from None
+    return [item for name, value in given.items()
+            for one in (value if isinstance(value, list) else [value]) for item in (f"--{name.replace('_', '-')}", one)]
+
+
+def check_settings(args) -> None:
+    """Every service's settings from `treeserve up`'s `args`, checked before any service starts."""
+    for service in ("drafter", "verifier", "gateway") if args.drafter != "none" else ("verifier", "gateway"):
+        service_argv(service, args)
+
+
 def start_stack(stack: Stack, args) -> str:
     """Start drafter (unless `args.drafter` is none), verifier and gateway with `treeserve up`'s settings in
-    `args`, wait until all serve; returns the gateway's address."""
-    common = ["--target", args.target, "--device", args.device, "--dtype", args.dtype, "--grace-s", str(args.grace_s),
-              "--max-batch", str(args.max_batch), "--cuda-graphs", args.cuda_graphs]
-    verifier_args = [*common, "--default-budget", str(args.budget), "--tp", str(args.tp),
-                     "--speculation", args.speculation]
-    if args.verifier_metrics:
-        verifier_args += ["--metrics-listen", args.verifier_metrics]
+    `args`, wait until all serve; returns the gateway's address. Every service's settings are checked before
+    any starts."""
+    check_settings(args)
+    drafters = []
     if args.drafter != "none":
-        drafter_args = [*common, "--kind", args.drafter, "--tree", args.tree]
-        if args.drafter_path:
-            drafter_args += ["--drafter-path", args.drafter_path]
-        verifier_args += ["--drafter", stack.start("drafter", drafter_args)]
+        drafters.append(stack.start("drafter", service_argv("drafter", args)))
         # A verifier learns at its drafter's connection which target features to keep; a request it takes
         # before then can never be drafted by a DFlash drafter. So the drafter serves first.
         stack.wait_serving(args.start_timeout_s)
-    verifier = stack.start("verifier", verifier_args)
-    gateway = stack.start("gateway", ["--target", args.target, "--verifier", verifier,
-                                      "--grace-s", str(args.grace_s)])
+    verifier = stack.start("verifier", service_argv("verifier", args, drafter=drafters))
+    gateway = stack.start("gateway", service_argv("gateway", args, verifier=[verifier]))
     stack.wait_serving(args.start_timeout_s)
     return gateway
 
 
 def run_up(args) -> int:
+    check_settings(args)
     runtime = Path(args.runtime_dir) if args.runtime_dir else Path(tempfile.mkdtemp(prefix="treeserve-"))
     runtime.mkdir(parents=True, exist_ok=True)
     stack = Stack(runtime)

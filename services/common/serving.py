@@ -50,11 +50,6 @@ def default_address(service: str) -> str:
     return f"unix://{runtime}/treeserve/{service}.sock"
 
 
-def env_default(service: str, flag: str, default=None):
-    """A flag's default from TREESERVE_<SERVICE>_<FLAG> (dashes as underscores) when set, else `default`."""
-    return os.environ.get(f"TREESERVE_{service.upper()}_{flag.upper().replace('-', '_')}", default)
-
-
 def normalize_address(address: str) -> str:
     """Accepts unix:///abs/path, unix:relative/path, host:port or tcp://host:port; returns what gRPC takes."""
     if address.startswith("unix:"):

@@ -2,53 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
-import functools
 import logging
 import sys
 
-from treeserve import serving
-from treeserve.cli import OneLineErrorParser
 from treeserve.errors import TreeserveError
+from treeserve.settings import GatewaySettings
 
 log = logging.getLogger("treeserve.gateway")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-
-env = functools.partial(serving.env_default, "gateway")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = OneLineErrorParser(prog="python -m treeserve.gateway", description=__doc__,
-                           epilog="Every flag can also come from TREESERVE_GATEWAY_<FLAG> "
-                                  "(several verifiers comma-separated).")
-    p.add_argument("--target", default=env("target", "smollm2-135m"),
-                   help="the verifier's model (name, HF folder or .gguf), for its tokenizer (default smollm2-135m)")
-    p.add_argument("--verifier", action="append", default=None, metavar="ADDRESS",
-                   help=f"a verifier (repeatable; default {serving.default_address('verifier')})")
-    p.add_argument("--listen", default=env("listen", serving.default_address("gateway")), help="default %(default)s")
-    p.add_argument("--max-inflight", type=int, default=env("max_inflight", "256"),
-                   help="requests in flight at most; more are refused with RESOURCE_EXHAUSTED (default 256)")
-    p.add_argument("--default-max-new-tokens", type=int, default=env("default_max_new_tokens", "64"),
-                   help="for requests that leave max_new_tokens unset (default 64)")
-    p.add_argument("--grace-s", type=float, default=env("grace_s", "10"), help="drain period on SIGTERM (default 10)")
-    p.add_argument("--metrics-listen", default=env("metrics_listen", ""), metavar="HOST:PORT",
-                   help="serve Prometheus metrics over HTTP here (default: off)")
-    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=env("log_level", "INFO"))
-    args = p.parse_args(argv)
-    if args.verifier is None:
-        args.verifier = [a.strip() for a in env("verifier", serving.default_address("verifier")).split(",") if a.strip()]
-    if not args.verifier:
-        p.error("give at least one --verifier")
-    if args.max_inflight < 1 or args.default_max_new_tokens < 1 or args.grace_s < 0:
-        p.error("--max-inflight and --default-max-new-tokens must be positive, --grace-s not negative")
-    from treeserve.serving import normalize_address
-
-    try:
-        for address in [args.listen, *args.verifier]:
-            normalize_address(address)
-    except TreeserveError as error:
-        p.error(str(error))
-    return args
+def parse_args(argv=None) -> GatewaySettings:
+    return GatewaySettings.parse(argv)
 
 
 async def serve(args, tokenizer) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import logging
@@ -12,72 +11,17 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from treeserve.errors import TreeserveError
-from treeserve.tree import MAX_BUDGET
+from treeserve.settings import VerifierSettings
 
 log = logging.getLogger("treeserve.verifier")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    from treeserve import serving
-    from treeserve.cli import OneLineErrorParser
-
-    env = functools.partial(serving.env_default, "verifier")
-    p = OneLineErrorParser(prog="python -m treeserve.verifier", description=__doc__,
-                           epilog="Every flag can also come from TREESERVE_VERIFIER_<FLAG> (drafters comma-separated).")
-    p.add_argument("--target", default=env("target", "smollm2-135m"), help="model name, HF folder or .gguf")
-    p.add_argument("--device", default=env("device", "cpu"), choices=("cpu", "cuda"))
-    p.add_argument("--dtype", default=env("dtype", "float32"), choices=("float32", "bfloat16"))
-    p.add_argument("--listen", default=env("listen", serving.default_address("verifier")))
-    p.add_argument("--drafter", action="append", default=None, metavar="ADDRESS",
-                   help="a drafter to use (repeatable); dns:///name:port means every address the name resolves "
-                        "to (replicas); none given: plain decoding only")
-    p.add_argument("--default-budget", type=int, default=env("default_budget", "16"),
-                   help="tree budget (drafted nodes) for requests that leave it unset (default 16)")
-    p.add_argument("--default-max-new-tokens", type=int, default=env("default_max_new_tokens", "64"),
-                   help="for requests that leave max_new_tokens unset (default 64)")
-    p.add_argument("--max-batch", type=int, default=env("max_batch", "64"), help="requests per round at most")
-    p.add_argument("--kv-cache-tokens", type=int, default=env("kv_cache_tokens", "0"),
-                   help="tokens the paged KV cache holds, over all requests (default 0: on a GPU, 90%% of the "
-                        "memory free after room for the largest forward; on the CPU, 16384)")
-    p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default=env("cuda_graphs", "auto"),
-                   help="replay tree verification from CUDA graphs captured at start-up, on every tensor-parallel "
-                        "rank with its collectives (auto: with --device cuda); off is for debugging")
-    p.add_argument("--speculation", choices=("fixed", "adaptive"), default=env("speculation", "fixed"),
-                   help="fixed: every request drafts its own budget each round (default); adaptive: each round's "
-                        "budget (0 = plain decoding) is chosen for tokens per second from measured verification "
-                        "costs and each request's acceptance")
-    p.add_argument("--adaptive-min-budget", type=int, default=env("adaptive_min_budget", "0"),
-                   help="adaptive: the smallest round budget (default 0: plain decoding allowed)")
-    p.add_argument("--adaptive-max-budget", type=int, default=env("adaptive_max_budget", str(MAX_BUDGET)),
-                   help="adaptive: the largest round budget (a request's own budget caps it too)")
-    p.add_argument("--tp", type=int, default=env("tp", "1"),
-                   help="tensor-parallel ranks (default 1): this process is rank 0 and starts the others on this "
-                        "host (one GPU each), unless a launcher such as torchrun set RANK and WORLD_SIZE")
-    p.add_argument("--draft-timeout-s", type=float, default=env("draft_timeout_s", "2.0"),
-                   help="a drafter slower than this is treated as down for the round")
-    p.add_argument("--grace-s", type=float, default=env("grace_s", "10"), help="drain period on SIGTERM")
-    p.add_argument("--metrics-listen", default=env("metrics_listen", ""), metavar="HOST:PORT",
-                   help="serve Prometheus metrics over HTTP here (default: off)")
-    p.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-                   default=env("log_level", "INFO"))
-    args = p.parse_args(argv)
-    if args.drafter is None:
-        args.drafter = [a for a in env("drafter", "").split(",") if a]
-    if not 1 <= args.default_budget <= MAX_BUDGET:
-        p.error(f"--default-budget must be between 1 and {MAX_BUDGET}")
-    if args.max_batch < 1 or args.default_max_new_tokens < 1:
-        p.error("--max-batch and --default-max-new-tokens must be positive")
-    if args.kv_cache_tokens < 0:
-        p.error("--kv-cache-tokens must be 0 (sized from memory) or positive")
-    if args.cuda_graphs == "on" and args.device != "cuda":
-        p.error("--cuda-graphs on needs --device cuda")
-    if not 0 <= args.adaptive_min_budget <= args.adaptive_max_budget <= MAX_BUDGET:
-        p.error(f"--adaptive-min-budget and --adaptive-max-budget must satisfy 0 <= min <= max <= {MAX_BUDGET}")
-    if args.tp < 1:
-        p.error("--tp must be at least 1")
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != args.tp:
-        p.error(f"--tp {args.tp}, but the launcher started {os.environ['WORLD_SIZE']} ranks")
-    return args
+def parse_args(argv=None) -> VerifierSettings:
+    parser = VerifierSettings.parser()
+    settings = VerifierSettings.parse(argv, parser)
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != settings.tp:
+        parser.error(f"--tp {settings.tp}, but the launcher started {os.environ['WORLD_SIZE']} ranks")
+    return settings
 
 
 async def serve(args, shard=None, followers=()) -> None:
