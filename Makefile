@@ -26,7 +26,7 @@ run: setup
 	$(VENV)/bin/treeserve up --target smollm2-135m --demo-prompt "$$(printf '$(DEMO_PROMPT)')"
 
 test: setup-test
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=15
 
 # Training prompts for DFlash drafters (README: Training a DFlash drafter). The test extras are sources too.
 corpus-sources: setup-test
