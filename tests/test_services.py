@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 import tiny_models
-from treeserve.launcher import Stack
+from treeserve.cli.launcher import Stack
 from treeserve.loading import load_target
 from treeserve.params import GenerationParams
 from treeserve.serving import free_port

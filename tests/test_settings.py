@@ -78,7 +78,7 @@ def test_up_reaches_every_field_of_every_service(capsys):
     """`treeserve up --help` shows, for every field of every service, the flag of up's that sets it or a
     --<service>-<flag> passed on."""
     from treeserve.cli import main
-    from treeserve.launcher import UP_SETS
+    from treeserve.cli.launcher import UP_SETS
 
     with pytest.raises(SystemExit):
         main(["up", "--help"])
@@ -92,7 +92,7 @@ def test_up_reaches_every_field_of_every_service(capsys):
 def test_up_passes_its_settings_and_the_service_flags_on(monkeypatch):
     from treeserve.cli import up_settings
     from treeserve.errors import TreeserveError
-    from treeserve.launcher import service_argv
+    from treeserve.cli.launcher import service_argv
 
     args = up_settings("--device", "cpu", "--budget", "8", "--verifier-kv-cache-tokens", "4096",
                        "--drafter-max-budget", "32", "--gateway-max-inflight", "9")

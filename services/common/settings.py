@@ -19,6 +19,13 @@ from treeserve.errors import TreeserveError
 from treeserve.tree import MAX_BUDGET
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Usage mistakes print one line (not the usage block) and exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 @dataclasses.dataclass(frozen=True)
 class Option:
     help: str
@@ -65,8 +72,6 @@ class Settings:
     def parser(cls, parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
         """The command-line parser: every field a flag, its values read later (`parse`), so that flags and
         environment go through one validation."""
-        from treeserve.cli import OneLineErrorParser
-
         parser = parser or OneLineErrorParser(
             prog=cls.PROG, description=cls.DESCRIPTION,
             epilog=f"Every flag can also come from the environment as TREESERVE_{cls.SERVICE.upper()}_<FLAG> "

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from treeserve.cli import OneLineErrorParser
+from treeserve.settings import OneLineErrorParser
 from treeserve.errors import TreeserveError
 from treeserve.tree import MAX_BUDGET
 

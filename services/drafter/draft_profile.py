@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from treeserve.cli import OneLineErrorParser
+from treeserve.settings import OneLineErrorParser
 from treeserve.errors import TreeserveError
 
 STEPS = ("extend", "propose_merged", "propose", "block_and_trees", "trees_to_host")

@@ -124,7 +124,7 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     from treeserve.cli import main as treeserve_main, up_settings
-    from treeserve.launcher import Stack, start_stack
+    from treeserve.cli.launcher import Stack, start_stack
 
     args = parse_args(argv)
     out_dir = Path(args.out_dir)

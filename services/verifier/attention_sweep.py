@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from treeserve.cli import OneLineErrorParser
+from treeserve.settings import OneLineErrorParser
 
 SETTINGS = {"query_rows": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3),
             "programs_per_sm": (1, 2, 4)}

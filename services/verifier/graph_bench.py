@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from treeserve.cli import OneLineErrorParser
+from treeserve.settings import OneLineErrorParser
 from treeserve.errors import TreeserveError
 from treeserve.models import DecoderLM, ModelConfig
 from treeserve.models.paged_kv import PagedKVCache

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from treeserve.cli import OneLineErrorParser
+from treeserve.settings import OneLineErrorParser
 from treeserve.errors import TreeserveError
 from treeserve.loading import LoadedModel
 from treeserve.loading.hf_folder import read_json

@@ -20,7 +20,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from treeserve.cli import OneLineErrorParser
+from treeserve.settings import OneLineErrorParser
 from treeserve.errors import TreeserveError
 from treeserve.loading.hf_folder import read_json
 from treeserve.verifier.graphs import TREE_BUCKETS

@@ -16,10 +16,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from treeserve.cli import OneLineErrorParser, up_settings
+from treeserve.cli import up_settings
+from treeserve.settings import OneLineErrorParser
 from treeserve.drafter.corpus import read_prompts
 from treeserve.errors import TreeserveError
-from treeserve.launcher import Stack, start_stack
+from treeserve.cli.launcher import Stack, start_stack
 from treeserve.params import GenerationParams
 from treeserve.prompt_sets import WORKLOADS
 from treeserve.serving import free_port

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from treeserve.cli import OneLineErrorParser
+from treeserve.settings import OneLineErrorParser
 from treeserve.errors import TreeserveError
 from treeserve.prompt_sets import WORKLOADS
 

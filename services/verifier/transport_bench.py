@@ -15,9 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from treeserve.cli import OneLineErrorParser
+from treeserve.settings import OneLineErrorParser
 from treeserve.errors import TreeserveError
-from treeserve.launcher import Stack
+from treeserve.cli.launcher import Stack
 from treeserve.telemetry import percentile
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from treeserve.errors import TreeserveError
 from treeserve.params import GenerationParams
+from treeserve.settings import OneLineErrorParser
 from treeserve.tree import MAX_BUDGET
 
 DRAFTERS = ("auto", "none", "ngram", "dflash", "merged", "model")
@@ -21,13 +22,6 @@ DRAFTER_HELP = ("auto (default): merged, with the DFlash drafter shipped for the
 DRAFTER_PATH_HELP = ("dflash, merged: a DFlash checkpoint folder (config.json + model.safetensors; default: the one "
                      "shipped for the target); model: a draft model with the target's tokenizer (name, HF folder, "
                      ".gguf)")
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """Usage mistakes print one line (not the usage block) and exit 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_service_flags(up) -> None:
     """Every service flag that `up`'s own flags above do not set, as --<service>-<flag> (for example
     --verifier-kv-cache-tokens), passed on to that service; unset, the service's environment and defaults apply."""
-    from treeserve.launcher import UP_SETS
+    from treeserve.cli.launcher import UP_SETS
     from treeserve.settings import SERVICE_SETTINGS
 
     for service, settings in SERVICE_SETTINGS.items():
@@ -382,13 +376,13 @@ def run_up_command(args) -> int:
     args.drafter = resolved_drafter(args)
     if args.drafter == "model" and not args.drafter_path:
         raise TreeserveError("--drafter model needs --drafter-path")
-    from treeserve.launcher import run_up
+    from treeserve.cli.launcher import run_up
 
     return run_up(args)
 
 
 def run_health(args) -> int:
-    from treeserve.launcher import health_status
+    from treeserve.cli.launcher import health_status
 
     status = health_status(args.address, args.timeout_s)
     if status != "SERVING":
