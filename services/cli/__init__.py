@@ -10,11 +10,10 @@ from pathlib import Path
 
 from treeserve.errors import TreeserveError
 from treeserve.params import GenerationParams
-from treeserve.settings import OneLineErrorParser
+from treeserve.settings import TREE_KINDS, OneLineErrorParser
 from treeserve.tree import MAX_BUDGET
 
 DRAFTERS = ("auto", "none", "ngram", "dflash", "merged", "model")
-TREES = ("chain", "ddtree")
 DRAFTER_HELP = ("auto (default): merged, with the DFlash drafter shipped for the target (smollm2-135m), else "
                 "ngram; none: plain autoregressive decoding; ngram: prompt-lookup trees; dflash: a DFlash block "
                 "drafter with --tree; merged: prompt lookup's best continuation, then the DFlash tree for the rest "
@@ -52,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default smollm2-135m)")
     gen.add_argument("--drafter", choices=DRAFTERS, default="auto", help=DRAFTER_HELP)
     gen.add_argument("--drafter-path", help=DRAFTER_PATH_HELP)
-    gen.add_argument("--tree", choices=TREES, default="ddtree",
+    gen.add_argument("--tree", choices=TREE_KINDS, default="ddtree",
                      help="how a DFlash drafter builds trees: chain (its argmax path) or ddtree (the best tree "
                           "for the budget; default)")
     gen.add_argument("--budget", type=int, default=16,
@@ -87,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--target", default="smollm2-135m", help="model name, HF folder or .gguf (default smollm2-135m)")
     up.add_argument("--drafter", choices=DRAFTERS, default="auto", help=DRAFTER_HELP)
     up.add_argument("--drafter-path", help=DRAFTER_PATH_HELP)
-    up.add_argument("--tree", choices=TREES, default="ddtree", help="--drafter dflash: chain or ddtree (default)")
+    up.add_argument("--tree", choices=TREE_KINDS, default="ddtree", help="--drafter dflash: chain or ddtree (default)")
     up.add_argument("--budget", type=int, default=16, help=f"default tree budget, 1 to {MAX_BUDGET} (default 16)")
     up.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     up.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))

@@ -1,6 +1,6 @@
 """A service's settings as one frozen dataclass, from which come its command-line flags, the
 TREESERVE_<SERVICE>_<FLAG> environment defaults and their validation (the same for both); `treeserve up`
-reaches every field (launcher.service_argv).
+reaches every field (treeserve.cli.launcher.service_argv).
 
 A field is declared with `option(default, help, ...)`; its type annotation (int, float, str or list[str]) says
 how a value is read. A flag on the command line wins over the environment, which wins over the default. A

@@ -38,6 +38,7 @@ from treeserve.models import ModelConfig
 from treeserve.models.graphs import PagedRunner, TreeRows
 from treeserve.models.paged_kv import PagedAttention, PagedKVCache, PagedSequence, paged_kernels
 from treeserve.models.transformer import Attention, DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
+from treeserve.settings import TREE_KINDS
 from treeserve.tree import MAX_BUDGET, DraftPoolFull, DraftTree
 
 
@@ -238,7 +239,6 @@ class DFlashRequest:
         return sum(len(slots) for slots, _, _ in self.unwritten)
 
 
-TREES = ("chain", "ddtree")
 
 
 # Context tokens the drafter's pool holds over all requests, unless told (per token: 2 x layers x kv heads x
@@ -259,8 +259,8 @@ class DFlashDrafter:
                  max_batch: int = 64, kv_cache_tokens: int = 0, graphs: bool = False,
                  max_context: int | None = None, max_budget: int = MAX_BUDGET):
         cfg = model.config
-        if tree not in TREES:
-            raise TreeserveError(f"unknown tree kind {tree!r} (use {' or '.join(TREES)})")
+        if tree not in TREE_KINDS:
+            raise TreeserveError(f"unknown tree kind {tree!r} (use {' or '.join(TREE_KINDS)})")
         if embedding.shape[1] != cfg.layers.hidden_size or lm_head.shape[1] != cfg.layers.hidden_size:
             raise TreeserveError(f"the drafter's hidden size {cfg.layers.hidden_size} does not match the target's "
                                  f"{embedding.shape[1]}")
