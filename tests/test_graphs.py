@@ -207,7 +207,7 @@ def test_graph_replay_equals_eager_in_every_bucket(case, dtype):
 def test_dflash_block_forward_from_graphs_equals_eager(dtype):
     """The DFlash drafter's block forward replayed from its graphs gives eager's log-probabilities and, in
     float32, eager's trees, for every batch bucket (padding requests included), contexts of many lengths and
-    budgets from 0 to the largest; the pool ends empty."""
+    budgets from 0 to the largest, then over rounds of short extensions; the pool ends empty."""
     from random_targets import random_dflash_drafter, target_features
     from treeserve.drafter.dflash import DFlashDrafter
 
@@ -236,6 +236,16 @@ def test_dflash_block_forward_from_graphs_equals_eager(dtype):
         assert [tree.size - 1 for tree in trees] == budgets
         if dtype == torch.float32:  # in bfloat16 the two forwards round differently, and near-ties may swap
             assert trees == eager.propose(contexts[eager], budgets)
+        for _ in range(3):  # rounds of a few accepted tokens: their context rows are written inside the graph
+            for index, tokens in enumerate(histories):
+                new = [rng.randrange(96) for _ in range(rng.randint(1, 16))]
+                features = target_features(target, tokens[-1:] + new[:-1], model.config.target_layer_ids)
+                tokens.extend(new)
+                for drafter in (eager, graphs):
+                    drafter.extend(contexts[drafter][index], new, features)
+            want = eager.block_log_probs(contexts[eager])[1].clone()
+            got = graphs.block_log_probs(contexts[graphs])[1]
+            torch.testing.assert_close(got, want, atol=tolerance * want.abs().max().item(), rtol=tolerance)
         for drafter in (eager, graphs):
             for context in contexts[drafter]:
                 drafter.release(context)
