@@ -214,8 +214,7 @@ def test_bench_stacks_makes_the_tables_in_one_command(tmp_path):
 
 def test_workloads_are_found_from_any_directory(tmp_path, monkeypatch):
     # The prompt sets ship in the package: `treeserve bench` outside the repository (or in the image) finds them.
-    from treeserve.drafter.corpus import read_prompts
-    from treeserve.prompt_sets import WORKLOADS
+    from treeserve.prompt_sets import WORKLOADS, read_prompts
 
     monkeypatch.chdir(tmp_path)
     for name, path in WORKLOADS.items():

@@ -33,7 +33,7 @@ def configurations(args) -> list[tuple[str, str, int]]:
 
 def run(args) -> dict:
     from treeserve.drafter import load_drafter
-    from treeserve.drafter.corpus import encode_prompts, read_prompts
+    from treeserve.prompt_sets import encode_prompts, read_prompts
     from treeserve.loading import load_target
     from treeserve.params import GenerationParams
     from treeserve.verifier import generate

@@ -215,7 +215,7 @@ async def model_info(address: str) -> dict:
 
 
 def run_bench(args) -> dict:
-    from treeserve.drafter.corpus import read_prompts
+    from treeserve.prompt_sets import read_prompts
     from treeserve.telemetry import checked_by_budget, round_phase_means, round_totals, rounds_by_budget
 
     path = Path(args.prompts) if args.prompts else WORKLOADS[args.workload]

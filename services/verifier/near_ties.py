@@ -65,7 +65,7 @@ def logit_gap(model, context: list[int], one: int, other: int) -> Gap:
 
 def usable(report: dict, prompts_file: Path | None = None) -> list[dict]:
     """The report's prompts, once it is known to hold greedy runs with their divergences recorded."""
-    from treeserve.drafter.corpus import read_prompts
+    from treeserve.prompt_sets import read_prompts
 
     if not isinstance(report, dict) or not {"runs", "prompts", "temperature"} <= report.keys():
         raise TreeserveError("not a treeserve bench report (no runs, prompts or temperature)")

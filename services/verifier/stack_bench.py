@@ -18,7 +18,7 @@ from pathlib import Path
 
 from treeserve.cli import up_settings
 from treeserve.settings import OneLineErrorParser
-from treeserve.drafter.corpus import read_prompts
+from treeserve.prompt_sets import read_prompts
 from treeserve.errors import TreeserveError
 from treeserve.cli.launcher import Stack, start_stack
 from treeserve.params import GenerationParams

@@ -88,7 +88,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from treeserve.drafter.corpus import encode_prompts, read_prompts
+    from treeserve.prompt_sets import encode_prompts, read_prompts
 
     try:
         modes = args.modes.split(",")
