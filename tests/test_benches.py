@@ -10,7 +10,7 @@ import tiny_models
 
 
 def test_graph_bench_on_the_cpu(tmp_path):
-    from treeserve.verifier.graph_bench import main
+    from treeserve.bench.graph_bench import main
 
     out = tmp_path / "graph.json"
     assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1,2", "--tree-sizes",
@@ -19,13 +19,13 @@ def test_graph_bench_on_the_cpu(tmp_path):
     rows = report["verification"]
     assert [(r["batch"], r["tree_nodes"]) for r in rows] == [(1, 1), (1, 5), (2, 1), (2, 5)]
     assert all(r["ms"] > 0 and r["graphs"] is False for r in rows)
-    assert report["command"].startswith("python -m treeserve.verifier.graph_bench --shape tiny")
+    assert report["command"].startswith("python -m treeserve.bench.graph_bench --shape tiny")
 
 
 @pytest.mark.slow
 def test_stack_bench_on_the_cpu(tmp_path):
     """Two prompts through the three services, plain then n-gram: identical outputs and phases per round."""
-    from treeserve.verifier.stack_bench import main
+    from treeserve.bench.stack_bench import main
 
     target = tiny_models.write_hf_folder("qwen3", tmp_path / "model", seed=0)
     prompts = tmp_path / "prompts.jsonl"
@@ -44,7 +44,7 @@ def test_stack_bench_on_the_cpu(tmp_path):
 def test_projection_from_the_recorded_h200_figures(tmp_path):
     """The 8B projection of docs/benchmarks.md, from the JSON files in the repo: every cell as its formula says,
     and the adaptive choice never below plain decoding."""
-    from treeserve.verifier.projection import main
+    from treeserve.bench.projection import main
 
     out = tmp_path / "projection.json"
     assert main(["--costs", "docs/figures/graph-bench-8b-h200-graphs.json", "--acceptance",
@@ -66,7 +66,7 @@ def test_projection_from_the_recorded_h200_figures(tmp_path):
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
 def test_transformers_baseline_on_the_cpu(tmp_path, fmt):
     """transformers' generate on treeserve's weights (a GGUF too): the same greedy tokens as treeserve."""
-    from treeserve.verifier.transformers_baseline import main
+    from treeserve.bench.transformers_baseline import main
 
     target = (tiny_models.write_hf_folder("llama", tmp_path / "model", seed=0) if fmt == "hf"
               else tiny_models.write_gguf("qwen3", tmp_path / "model.gguf", seed=0))
@@ -85,7 +85,7 @@ def test_transformers_baseline_on_the_cpu(tmp_path, fmt):
 @pytest.mark.real_model
 def test_draft_profile_on_the_cpu(tmp_path):
     """The DFlash round profile, one round of one request with the shipped drafter: every step timed."""
-    from treeserve.drafter.draft_profile import STEPS, main
+    from treeserve.bench.draft_profile import STEPS, main
 
     out = tmp_path / "profile.json"
     assert main(["--device", "cpu", "--dtype", "float32", "--batches", "1", "--max-budgets", "8", "--budget", "8",

@@ -25,7 +25,7 @@ from treeserve.params import GenerationParams
 from treeserve.verifier import Generation, generate
 from treeserve.verifier.engine import commit_round, forward_batch
 from treeserve.verifier.graphs import TreeVerifier
-from treeserve.verifier.near_ties import NEAR_TIE, logit_gap
+from treeserve.bench.near_ties import NEAR_TIE, logit_gap
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -1,23 +1,56 @@
-"""The package layout's one rule: the shared package (services/common, `treeserve`) imports no service package
-and not the command line, which sit on top of it."""
+"""The package layout's rules, from the bottom up: the shared package (services/common, `treeserve`) imports no
+service, nor the command line or the benches above them; a service (gateway, verifier, drafter) imports no other
+service and no bench; the kernels import none of them."""
 
 import ast
 from pathlib import Path
 
-ABOVE_COMMON = ("treeserve.drafter", "treeserve.verifier", "treeserve.gateway", "treeserve.cli")
+ROOT = Path(__file__).parent.parent
+SERVICES = {"drafter": "services/drafter", "verifier": "services/verifier", "gateway": "services/gateway"}
+BENCH, CLI = "treeserve.bench", "treeserve.cli"
+
+
+def imported(path: Path) -> set[str]:
+    """Every module a file names in an import, `from treeserve import bench` counted as treeserve.bench."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def forbidden_imports(folder: str, forbidden: tuple[str, ...], skip: tuple[str, ...] = (), root: Path = ROOT):
+    """`file: module` for each import under root/folder of a module in (or below) one of `forbidden`."""
+    return [f"{path.relative_to(root)}: {name}" for path in sorted((root / folder).rglob("*.py"))
+            if path.name not in skip for name in sorted(imported(path))
+            if any(name == f or name.startswith(f + ".") for f in forbidden)]
 
 
 def test_the_shared_package_imports_no_service():
-    common = Path(__file__).parent.parent / "services" / "common"
-    found = []
-    for path in sorted(common.rglob("*.py")):
-        if path.name == "__main__.py":  # `python -m treeserve`: the command line's entry point
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            found += [f"{path.relative_to(common)}: {name}" for name in names
-                      if name == "treeserve" and isinstance(node, ast.ImportFrom)
-                      and any(f"treeserve.{a.name}" in ABOVE_COMMON for a in node.names)
-                      or name.startswith(ABOVE_COMMON)]
-    assert not found, found
+    above = tuple(f"treeserve.{name}" for name in SERVICES) + (CLI, BENCH)
+    # __main__.py is `python -m treeserve`: the command line's entry point.
+    assert not forbidden_imports("services/common", above, skip=("__main__.py",))
+
+
+def test_a_service_imports_no_other_service_and_no_bench():
+    for name, folder in SERVICES.items():
+        others = tuple(f"treeserve.{other}" for other in SERVICES if other != name)
+        assert not forbidden_imports(folder, others + (BENCH,)), name
+
+
+def test_the_kernels_import_no_service():
+    assert not forbidden_imports("kernels", tuple(f"treeserve.{name}" for name in SERVICES) + (CLI, BENCH))
+
+
+def test_the_rules_see_an_import(tmp_path):
+    """The checker itself: each spelling of an import of the benches is caught, and only those."""
+    folder = tmp_path / "services" / "gateway"
+    folder.mkdir(parents=True)
+    (folder / "a.py").write_text("import treeserve.bench.load\n")
+    (folder / "b.py").write_text("from treeserve import bench\n")
+    (folder / "c.py").write_text("def f():\n    from treeserve.bench.load import main_bench\n")
+    (folder / "d.py").write_text("from treeserve import benchmarks, gateway\nimport treeserve.benchmark\n")
+    found = forbidden_imports("services/gateway", (BENCH,), root=tmp_path)
+    assert sorted({line.split(":")[0] for line in found}) == [f"services/gateway/{name}.py" for name in "abc"]

@@ -17,7 +17,7 @@ import torch
 import tiny_models
 from test_cuda import assert_equal_or_near_tie
 from treeserve.loading import load_target
-from treeserve.verifier.near_ties import NEAR_TIE
+from treeserve.bench.near_ties import NEAR_TIE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
