@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from treeserve.cli import main
-from treeserve.drafter import corpus
-from treeserve.drafter import corpus_sources as S
+from treeserve.drafter.training import corpus
+from treeserve.drafter.training import corpus_sources as S
 from treeserve.errors import TreeserveError
 from treeserve.prompt_sets import read_prompts, write_prompts
 

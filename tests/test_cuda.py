@@ -162,7 +162,7 @@ def test_real_model_with_graphs_on_cuda(dtype, drafter_kind):
 def test_regeneration_from_a_graph_equals_eager_decoding(dtype):
     # The lockstep decoder that regenerates training data replays one graph a step: the same kernels as eager
     # steps, so the same tokens; in float32 they are also the engine's own greedy output.
-    from treeserve.drafter.training import LockstepDecoder, VARYING_LENGTH_SDPA
+    from treeserve.drafter.training.train import LockstepDecoder, VARYING_LENGTH_SDPA
     from torch.nn.attention import sdpa_kernel
 
     model = random_target("llama", seed=3, vocab_size=VOCAB, weight_scale=2.0).to("cuda", dtype)

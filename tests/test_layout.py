@@ -1,13 +1,13 @@
 """The package layout's rules, from the bottom up: the shared package (services/common, `treeserve`) imports no
 service, nor the command line or the benches above them; a service (gateway, verifier, drafter) imports no other
-service and no bench; the kernels import none of them."""
+service and no bench; the kernels import none of them; serving code imports no drafter training."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
 SERVICES = {"drafter": "services/drafter", "verifier": "services/verifier", "gateway": "services/gateway"}
-BENCH, CLI = "treeserve.bench", "treeserve.cli"
+BENCH, CLI, TRAINING = "treeserve.bench", "treeserve.cli", "treeserve.drafter.training"
 
 
 def imported(path: Path) -> set[str]:
@@ -42,6 +42,12 @@ def test_a_service_imports_no_other_service_and_no_bench():
 
 def test_the_kernels_import_no_service():
     assert not forbidden_imports("kernels", tuple(f"treeserve.{name}" for name in SERVICES) + (CLI, BENCH))
+
+
+def test_serving_code_imports_no_drafter_training():
+    found = [line for folder in ("services/common", *SERVICES.values()) for line in forbidden_imports(folder, (TRAINING,))
+             if not line.startswith("services/drafter/training/")]
+    assert not found
 
 
 def test_the_rules_see_an_import(tmp_path):

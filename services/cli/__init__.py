@@ -391,13 +391,13 @@ def run_health(args) -> int:
 
 
 def run_train_drafter(args) -> int:
-    from treeserve.drafter.training import run
+    from treeserve.drafter.training.train import run
 
     return run(args)
 
 
 def run_make_prompts(args) -> int:
-    from treeserve.drafter.corpus_sources import run
+    from treeserve.drafter.training.corpus_sources import run
 
     return run(args)
 

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from treeserve.drafter.corpus import CODE_LANGUAGES, PROSE_STYLES, Document, distinctive_lines, document_prompts
+from treeserve.drafter.training.corpus import CODE_LANGUAGES, PROSE_STYLES, Document, distinctive_lines, document_prompts
 from treeserve.errors import TreeserveError
 from treeserve.prompt_sets import write_prompts
 
