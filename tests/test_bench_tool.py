@@ -30,8 +30,10 @@ def services(tmp_path_factory):
 
 
 def bench(services, out, *flags: str) -> dict:
+    """`treeserve bench` run from the output's folder, outside the repository: the shipped workloads must come
+    from the package, not from a path relative to the working directory."""
     done = subprocess.run([sys.executable, "-m", "treeserve", "bench", "--address", services.gateway, "--out",
-                           str(out), "--quiet", *flags], capture_output=True, text=True, timeout=600)
+                           str(out), "--quiet", *flags], capture_output=True, text=True, timeout=600, cwd=out.parent)
     assert done.returncode == 0, done.stderr
     assert f"wrote {out} and {out.with_suffix('.png')}" in done.stdout
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
