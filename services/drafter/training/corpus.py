@@ -18,7 +18,6 @@ import re
 import textwrap
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 # Fence names of the code languages, by file suffix; prose styles say how headings are written.
 CODE_LANGUAGES = {".py": "python", ".c": "c", ".h": "c", ".cc": "cpp", ".cpp": "cpp", ".hpp": "cpp", ".tcc": "cpp",
