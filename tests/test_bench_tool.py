@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import tiny_models
-from test_services import PROMPTS, SERVING, Services, health, wait_for
+from helpers import PROMPTS, SERVING, Services, health, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -31,23 +31,36 @@ def forbidden_imports(folder: str, forbidden: tuple[str, ...], skip: tuple[str, 
 def test_the_shared_package_imports_no_service():
     above = tuple(f"treeserve.{name}" for name in SERVICES) + (CLI, BENCH)
     # __main__.py is `python -m treeserve`: the command line's entry point.
-    assert not forbidden_imports("services/common", above, skip=("__main__.py",))
+    found = forbidden_imports("services/common", above, skip=("__main__.py",))
+    assert not found, found
 
 
 def test_a_service_imports_no_other_service_and_no_bench():
     for name, folder in SERVICES.items():
         others = tuple(f"treeserve.{other}" for other in SERVICES if other != name)
-        assert not forbidden_imports(folder, others + (BENCH,)), name
+        found = forbidden_imports(folder, others + (BENCH,))
+        assert not found, found
 
 
 def test_the_kernels_import_no_service():
-    assert not forbidden_imports("kernels", tuple(f"treeserve.{name}" for name in SERVICES) + (CLI, BENCH))
+    found = forbidden_imports("kernels", tuple(f"treeserve.{name}" for name in SERVICES) + (CLI, BENCH))
+    assert not found, found
 
 
 def test_serving_code_imports_no_drafter_training():
-    found = [line for folder in ("services/common", *SERVICES.values()) for line in forbidden_imports(folder, (TRAINING,))
-             if not line.startswith("services/drafter/training/")]
-    assert not found
+    found = [line for folder in ("services/common", *SERVICES.values())
+             for line in forbidden_imports(folder, (TRAINING,)) if not line.startswith("services/drafter/training/")]
+    assert not found, found
+
+
+def test_a_test_module_imports_no_other_test_module():
+    """Shared test code lives in helper modules (helpers, tiny_models, random_targets), which pytest does not
+    collect: a test module can change without breaking another, and none is loaded twice (by pytest and by an
+    import) under pytest's importlib mode."""
+    tests = {path.stem for path in (ROOT / "tests").glob("test_*.py")}
+    found = [f"{path.name}: {name}" for path in sorted((ROOT / "tests").glob("*.py")) for name in imported(path)
+             if name.split(".")[0] in tests or name.startswith("tests.")]
+    assert not found, found
 
 
 def test_the_rules_see_an_import(tmp_path):
