@@ -175,7 +175,7 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
-# Launch settings, chosen on an H200 by `python -m treeserve.verifier.attention_sweep` (docs/benchmarks.md):
+# Launch settings, chosen on an H200 by `python -m treeserve.bench.attention_sweep` (docs/benchmarks.md):
 # query rows per program (tree rows x grouped heads), keys per tile, warps, pipeline stages, and how many
 # programs per streaming multiprocessor the key-range splits aim for. Run the sweep on another GPU and set the
 # best here.

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-# Test helpers (tiny_models) are imported as top-level modules whatever pytest's import mode.
+# Test helpers (helpers, tiny_models, random_targets) are imported as top-level modules whatever pytest's
+# import mode; a test module imports those, never another test module (tests/test_layout.py).
 sys.path.insert(0, str(Path(__file__).parent))
 
 

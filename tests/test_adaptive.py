@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from test_services import PROMPTS, SERVING, Services, expected, health, request, run_all, scrape, wait_for
+from helpers import PROMPTS, SERVING, Services, expected, health, request, run_all, scrape, wait_for
 from treeserve.loading import load_target
 from treeserve.telemetry import round_totals
 from treeserve.verifier.adaptive import BUDGET_STEPS, AdaptiveSpeculation, Calibration, RecentCost

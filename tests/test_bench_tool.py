@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import tiny_models
-from test_services import PROMPTS, SERVING, Services, health, wait_for
+from helpers import PROMPTS, SERVING, Services, health, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +30,10 @@ def services(tmp_path_factory):
 
 
 def bench(services, out, *flags: str) -> dict:
+    """`treeserve bench` run from the output's folder, outside the repository: the shipped workloads must come
+    from the package, not from a path relative to the working directory."""
     done = subprocess.run([sys.executable, "-m", "treeserve", "bench", "--address", services.gateway, "--out",
-                           str(out), "--quiet", *flags], capture_output=True, text=True, timeout=600)
+                           str(out), "--quiet", *flags], capture_output=True, text=True, timeout=600, cwd=out.parent)
     assert done.returncode == 0, done.stderr
     assert f"wrote {out} and {out.with_suffix('.png')}" in done.stdout
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
@@ -127,8 +129,8 @@ def test_repeats_take_turns_and_pair_each_turn(services, tmp_path):
 
 
 def test_bench_stacks_tables_give_medians_and_ranges_over_turns(tmp_path):
-    from treeserve.gateway.bench import ratio_summary
-    from treeserve.gateway.bench_stacks import render_tables
+    from treeserve.bench.load import ratio_summary
+    from treeserve.bench.bench_stacks import render_tables
 
     def run(mode, turn, total, **extra):
         return {"mode": mode, "budget": 16 if mode == "speculative" else 0, "turn": turn, "concurrency": 4,
@@ -166,7 +168,7 @@ def test_bad_flags_and_a_missing_gateway_are_one_line(tmp_path):
 
 
 def test_bench_stacks_tables_of_open_loops_compare_each_request(tmp_path):
-    from treeserve.gateway.bench_stacks import parse_args, render_tables
+    from treeserve.bench.bench_stacks import parse_args, render_tables
 
     def run(mode, rate, per_request, total, **extra):
         return {"mode": mode, "budget": 16 if mode == "speculative" else 0, "request_rate": rate,
@@ -194,7 +196,7 @@ def test_bench_stacks_makes_the_tables_in_one_command(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "tables"
-    done = subprocess.run([sys.executable, "-m", "treeserve.gateway.bench_stacks", "--out-dir", str(out), "--target",
+    done = subprocess.run([sys.executable, "-m", "treeserve.bench.bench_stacks", "--out-dir", str(out), "--target",
                            str(model), "--drafters", "ngram", "--prompts", str(prompts), "--temperatures", "0",
                            "--concurrency", "1,2", "--requests", "3", "--max-new-tokens", "8", "--budget", "4",
                            "--metrics-port", "19481"], capture_output=True, text=True, timeout=600)
@@ -207,15 +209,14 @@ def test_bench_stacks_makes_the_tables_in_one_command(tmp_path):
     assert "### prompts, temperature 0" in tables and "| plain (ngram) | ngram |" in tables
     assert tables.count("identical 3/3") == 2
     assert not list((out / "runtime-ngram").glob("*.sock"))  # the stack was stopped
-    bad = subprocess.run([sys.executable, "-m", "treeserve.gateway.bench_stacks", "--out-dir", str(out),
+    bad = subprocess.run([sys.executable, "-m", "treeserve.bench.bench_stacks", "--out-dir", str(out),
                           "--drafters", "eagle"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--drafters: unknown eagle" in bad.stderr
 
 
 def test_workloads_are_found_from_any_directory(tmp_path, monkeypatch):
     # The prompt sets ship in the package: `treeserve bench` outside the repository (or in the image) finds them.
-    from treeserve.drafter.corpus import read_prompts
-    from treeserve.prompt_sets import WORKLOADS
+    from treeserve.prompt_sets import WORKLOADS, read_prompts
 
     monkeypatch.chdir(tmp_path)
     for name, path in WORKLOADS.items():

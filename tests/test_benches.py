@@ -10,7 +10,7 @@ import tiny_models
 
 
 def test_graph_bench_on_the_cpu(tmp_path):
-    from treeserve.verifier.graph_bench import main
+    from treeserve.bench.graph_bench import main
 
     out = tmp_path / "graph.json"
     assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1,2", "--tree-sizes",
@@ -19,13 +19,13 @@ def test_graph_bench_on_the_cpu(tmp_path):
     rows = report["verification"]
     assert [(r["batch"], r["tree_nodes"]) for r in rows] == [(1, 1), (1, 5), (2, 1), (2, 5)]
     assert all(r["ms"] > 0 and r["graphs"] is False for r in rows)
-    assert report["command"].startswith("python -m treeserve.verifier.graph_bench --shape tiny")
+    assert report["command"].startswith("python -m treeserve.bench.graph_bench --shape tiny")
 
 
 @pytest.mark.slow
 def test_stack_bench_on_the_cpu(tmp_path):
     """Two prompts through the three services, plain then n-gram: identical outputs and phases per round."""
-    from treeserve.verifier.stack_bench import main
+    from treeserve.bench.stack_bench import main
 
     target = tiny_models.write_hf_folder("qwen3", tmp_path / "model", seed=0)
     prompts = tmp_path / "prompts.jsonl"
@@ -41,32 +41,50 @@ def test_stack_bench_on_the_cpu(tmp_path):
     assert {"verify", "round"} <= set(rows[0]["round_ms"]) and "draft" in rows[1]["round_ms"]
 
 
-def test_projection_from_the_recorded_h200_figures(tmp_path):
-    """The 8B projection of docs/benchmarks.md, from the JSON files in the repo: every cell as its formula says,
-    and the adaptive choice never below plain decoding."""
-    from treeserve.verifier.projection import main
+def test_projection_follows_its_formula_and_never_loses_to_plain(tmp_path):
+    """The projection from a graph_bench and an acceptance_bench report written here: every cell as its formula
+    says, eager rows and failed cells ignored, and the adaptive choice plain decoding where trees do not pay (a
+    compute-bound batch of 64) and never below it."""
+    from treeserve.bench.projection import main
+    from treeserve.verifier.graphs import TREE_BUCKETS
 
+    def verify_ms(batch: int, nodes: int) -> float:  # a fixed cost plus one that grows with the rows verified
+        return 5.0 + 0.05 * batch * nodes
+
+    batches, nodes = (1, 4, 16, 64), [n for n in TREE_BUCKETS if n <= 65]
+    rows = [{"batch": b, "tree_nodes": n, "context": 1024, "ms": verify_ms(b, n), "graphs": True}
+            for b in batches for n in nodes]
+    rows += [{"batch": 1, "tree_nodes": 17, "context": 1024, "ms": 0.001, "graphs": False},  # eager: not a cost
+             {"batch": 4, "tree_nodes": 129, "context": 1024, "graphs": True, "error": "out of memory"}]
+    costs = tmp_path / "graph-bench.json"
+    costs.write_text(json.dumps({"shape": "llama3-8b", "verification": rows}))
+    accepted = {"ngram": 2.0, "dflash chain": 3.0, "dflash ddtree": 4.5}  # tokens per round at budget 8
+    acceptance = tmp_path / "acceptance.json"
+    acceptance.write_text(json.dumps({"rows": [
+        {"drafter": drafter, "budget": budget, "mean_accepted": tokens + 0.25 * i}
+        for drafter, tokens in accepted.items() for i, budget in enumerate((8, 16, 32, 64))]}))
     out = tmp_path / "projection.json"
-    assert main(["--costs", "docs/figures/graph-bench-8b-h200-graphs.json", "--acceptance",
-                 "docs/figures/acceptance-smollm2-h200.json", "--drafter-ms", "ngram=0.84", "--out", str(out)]) == 0
+    assert main(["--costs", str(costs), "--acceptance", str(acceptance), "--drafter-ms", "ngram=0.84",
+                 "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    costs = {(r["batch"], r["tree_nodes"]): r["ms"] for r in
-             json.loads(open("docs/figures/graph-bench-8b-h200-graphs.json").read())["verification"] if "ms" in r}
-    row = next(r for r in report["rows"] if (r["batch"], r["drafter"], r["budget"]) == (1, "ngram", 16)
-               and not r.get("adaptive"))
-    assert row["round_ms"] == pytest.approx(costs[(1, 17)] + 0.84, abs=1e-3)
-    assert row["speedup"] == pytest.approx(row["tokens_per_round"] / row["round_ms"] * costs[(1, 1)], abs=1e-3)
-    adaptive = [r for r in report["rows"] if r.get("adaptive")]
-    assert {(r["batch"], r["drafter"]) for r in adaptive} == {
-        (b, d) for b in (1, 4, 16, 64) for d in ("ngram", "dflash-chain", "dflash-ddtree")}
-    assert all(r["tokens_per_s"] >= r["plain_tokens_per_s"] for r in adaptive)
-    assert report["projection"] is True
+    assert report["projection"] is True and report["command"].startswith("python -m treeserve.bench.projection")
+    cell = {(r["batch"], r["drafter"], r["budget"]): r for r in report["rows"] if not r.get("adaptive")}
+    row = cell[(1, "ngram", 16)]
+    assert row["round_ms"] == pytest.approx(verify_ms(1, 17) + 0.84, abs=1e-3)
+    assert row["speedup"] == pytest.approx(row["tokens_per_round"] / row["round_ms"] * verify_ms(1, 1), abs=1e-3)
+    assert cell[(1, "dflash-chain", 16)]["round_ms"] == pytest.approx(verify_ms(1, 17), abs=1e-3)  # no drafter ms
+    assert cell[(4, "ngram", 64)]["round_ms"] == pytest.approx(verify_ms(4, 65) + 0.84, abs=1e-3)
+    adaptive = {(r["batch"], r["drafter"]): r for r in report["rows"] if r.get("adaptive")}
+    assert set(adaptive) == {(b, d) for b in batches for d in ("ngram", "dflash-chain", "dflash-ddtree")}
+    assert all(r["tokens_per_s"] >= r["plain_tokens_per_s"] for r in adaptive.values())
+    assert adaptive[(1, "ngram")]["budget"] > 0 and adaptive[(64, "ngram")]["budget"] == 0
+    assert adaptive[(64, "ngram")]["speedup"] == 1.0
 
 
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
 def test_transformers_baseline_on_the_cpu(tmp_path, fmt):
     """transformers' generate on treeserve's weights (a GGUF too): the same greedy tokens as treeserve."""
-    from treeserve.verifier.transformers_baseline import main
+    from treeserve.bench.transformers_baseline import main
 
     target = (tiny_models.write_hf_folder("llama", tmp_path / "model", seed=0) if fmt == "hf"
               else tiny_models.write_gguf("qwen3", tmp_path / "model.gguf", seed=0))
@@ -85,7 +103,7 @@ def test_transformers_baseline_on_the_cpu(tmp_path, fmt):
 @pytest.mark.real_model
 def test_draft_profile_on_the_cpu(tmp_path):
     """The DFlash round profile, one round of one request with the shipped drafter: every step timed."""
-    from treeserve.drafter.draft_profile import STEPS, main
+    from treeserve.bench.draft_profile import STEPS, main
 
     out = tmp_path / "profile.json"
     assert main(["--device", "cpu", "--dtype", "float32", "--batches", "1", "--max-budgets", "8", "--budget", "8",

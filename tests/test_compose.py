@@ -1,5 +1,7 @@
 """compose/compose.yaml against the code: its structure, and each treeserve service's command line from it run
-as a local process (no Docker engine needed), so that the file cannot drift from the services' flags."""
+as a local process (no Docker engine needed), so that the file cannot drift from the services' flags; and the
+image: the wheel built from exactly its build context holds the whole package, and, where a Docker engine
+answers, the image builds and its commands run."""
 
 from __future__ import annotations
 
@@ -359,33 +361,72 @@ def dockerignored(path: str, patterns: list[str]) -> bool:
     return ignored
 
 
-def test_the_image_context_holds_what_the_package_needs(tmp_path):
-    """The wheel builds from exactly the files compose/Dockerfile.dockerignore lets into the build context, and
-    holds every package (the kernels too), the shipped drafter and the benches' prompt sets."""
+def image_context(into: Path) -> Path:
+    """A copy of exactly the tracked files compose/Dockerfile.dockerignore lets into the image's build context."""
     import shutil
-    import subprocess
-    import sys
-    import zipfile
 
     patterns = [line.strip() for line in (COMPOSE_DIR / "Dockerfile.dockerignore").read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    context = tmp_path / "context"
     for path in tracked.splitlines():
         if not dockerignored(path, patterns):
-            (context / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / path, context / path)
+            (into / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / path, into / path)
+    return into
+
+
+def test_the_image_context_holds_what_the_package_needs(tmp_path):
+    """The wheel builds from exactly the files compose/Dockerfile.dockerignore lets into the build context, and
+    holds every module of the source tree (a folder missing from the context, or a package missing from
+    pyproject.toml's list, fails here), the shipped drafter and the benches' prompt sets."""
+    import zipfile
+
+    context = image_context(tmp_path / "context")
     assert not (context / "tests").exists() and not (context / "docs").exists()
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir",
                             str(tmp_path / "wheel"), str(context)], capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-2000:]
     (wheel,) = (tmp_path / "wheel").glob("treeserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    for package in packages:
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {folder: package for package, folder in setuptools["package-dir"].items()}
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    for path in tracked.stdout.splitlines():
+        folder = max((f for f in folders if path.startswith(f + "/")), key=len, default=None)
+        if folder is not None:  # a module of the package: in the wheel under its import name
+            module = folders[folder].replace(".", "/") + path[len(folder):]
+            assert module in names, f"{path} ({module}) is not in the wheel built from the image's context"
+    for package in setuptools["packages"]:
         assert f"{package.replace('.', '/')}/__init__.py" in names, package
     assert "treeserve/drafter/checkpoints/smollm2-135m/model.safetensors" in names
     from treeserve.prompt_sets import WORKLOADS
 
     for workload in WORKLOADS.values():  # the benches' prompt sets, read from the package wherever they run
         assert f"treeserve/prompts/{workload.name}" in names
+
+
+def docker_answers() -> bool:
+    import shutil
+
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not docker_answers(), reason="needs a Docker engine")
+def test_the_image_builds_and_its_commands_run(tmp_path):
+    """docker build from the repository root, as compose does (downloads the base image and torch the first
+    time): the image has every package and the command line, the benches included."""
+    tag = f"treeserve-test:{os.getpid()}"
+    built = subprocess.run(["docker", "build", "-f", "compose/Dockerfile", "-t", tag, "."], cwd=ROOT,
+                           capture_output=True, text=True, timeout=3600, env={**os.environ, "DOCKER_BUILDKIT": "1"})
+    assert built.returncode == 0, built.stderr[-3000:]
+    try:
+        imports = "import treeserve.kernels, treeserve.bench.load, treeserve.drafter.training.train"
+        for command in (["treeserve", "--help"], ["treeserve", "bench", "--help"],
+                        ["treeserve", "train-drafter", "--help"], ["python", "-c", imports]):
+            ran = subprocess.run(["docker", "run", "--rm", tag, *command], capture_output=True, text=True, timeout=300)
+            assert ran.returncode == 0, (command, ran.stderr[-2000:])
+    finally:
+        subprocess.run(["docker", "image", "rm", "-f", tag], capture_output=True, timeout=120)

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from treeserve.cli import main
-from treeserve.drafter import corpus
-from treeserve.drafter import corpus_sources as S
+from treeserve.drafter.training import corpus
+from treeserve.drafter.training import corpus_sources as S
 from treeserve.errors import TreeserveError
+from treeserve.prompt_sets import read_prompts, write_prompts
 
 RST = """Spinning widgets
 ================
@@ -73,7 +74,7 @@ def sources(train: Path, held: Path) -> tuple:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return corpus.read_prompts(path)
+    return read_prompts(path)
 
 
 def test_prose_kinds_and_code_fences(trees):
@@ -146,8 +147,8 @@ def test_same_seed_same_bytes(trees, tmp_path, monkeypatch):
 def test_compressed_round_trip(tmp_path, name):
     records = [{"prompt": f"prompt {i} \u00e9\n", "chat": i % 2 == 0, "kind": "explain", "source": "x:1-2",
                 "licence": "MIT"} for i in range(5)]
-    corpus.write_prompts(tmp_path / name, records)
-    assert corpus.read_prompts(tmp_path / name) == records
+    write_prompts(tmp_path / name, records)
+    assert read_prompts(tmp_path / name) == records
     if name.endswith(".xz"):
         assert lzma.decompress((tmp_path / name).read_bytes()).decode().count("\n") == 5
 
@@ -155,7 +156,7 @@ def test_compressed_round_trip(tmp_path, name):
 def test_a_broken_compressed_file_is_one_error(tmp_path):
     (tmp_path / "bad.jsonl.xz").write_bytes(b"not xz at all")
     with pytest.raises(TreeserveError, match="cannot read"):
-        corpus.read_prompts(tmp_path / "bad.jsonl.xz")
+        read_prompts(tmp_path / "bad.jsonl.xz")
 
 
 def test_missing_sources_are_reported(tmp_path, monkeypatch, capsys):

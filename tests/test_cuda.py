@@ -18,14 +18,14 @@ import warnings
 import pytest
 import torch
 
+from helpers import assert_equal_or_near_tie
 from random_targets import ENGINE_FAMILIES, RandomTreeDrafter, random_target, word_tokenizer
-from treeserve.divergence import first_divergence
+from treeserve.bench.near_ties import NEAR_TIE
 from treeserve.models.paged_kv import PagedKVCache
 from treeserve.params import GenerationParams
 from treeserve.verifier import Generation, generate
 from treeserve.verifier.engine import commit_round, forward_batch
 from treeserve.verifier.graphs import TreeVerifier
-from treeserve.verifier.near_ties import NEAR_TIE, logit_gap
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -35,16 +35,6 @@ VOCAB = 96
 
 def oracle(prompt, reference):
     return lambda context: list(reference[len(context) - len(prompt):])
-
-
-def assert_equal_or_near_tie(model, prompt, reference, output, tolerance):
-    """Outputs agree up to the first difference, and there the two tokens' logits are within tolerance."""
-    same = first_divergence(reference, output)
-    if same is None:
-        return
-    assert same < min(len(reference), len(output)), f"one output ended at {same} where the other went on"
-    gap = logit_gap(model, prompt + reference[:same], reference[same], output[same])
-    assert gap.near_tie(tolerance), f"divergence at {same} with logit gap {gap.gap}"
 
 
 @pytest.mark.parametrize("case", ENGINE_FAMILIES)
@@ -162,7 +152,7 @@ def test_real_model_with_graphs_on_cuda(dtype, drafter_kind):
 def test_regeneration_from_a_graph_equals_eager_decoding(dtype):
     # The lockstep decoder that regenerates training data replays one graph a step: the same kernels as eager
     # steps, so the same tokens; in float32 they are also the engine's own greedy output.
-    from treeserve.drafter.training import LockstepDecoder, VARYING_LENGTH_SDPA
+    from treeserve.drafter.training.train import LockstepDecoder, VARYING_LENGTH_SDPA
     from torch.nn.attention import sdpa_kernel
 
     model = random_target("llama", seed=3, vocab_size=VOCAB, weight_scale=2.0).to("cuda", dtype)

@@ -468,7 +468,7 @@ def test_generate_command_with_a_dflash_checkpoint(tmp_path, capsys):
 
 def test_acceptance_bench_reports_every_configuration_lossless(tmp_path, capsys):
     import tiny_models
-    from treeserve.drafter.acceptance_bench import main
+    from treeserve.bench.acceptance_bench import main
     from treeserve.loading import load_target
 
     target_path = tiny_models.write_hf_folder("llama", tmp_path / "target", seed=1)

@@ -1,5 +1,5 @@
 """Divergences between greedy outputs, as `treeserve bench` records them, and their check against the target
-(`python -m treeserve.verifier.near_ties`): a near-tie of the target's top tokens passes, a clear preference fails
+(`python -m treeserve.bench.near_ties`): a near-tie of the target's top tokens passes, a clear preference fails
 (also between two tokens below the top), an output that ended where the other went on or a request that failed is
 reported unchecked, never passed."""
 
@@ -14,7 +14,7 @@ from treeserve.divergence import divergence, first_divergence
 from treeserve.loading import load_target
 from treeserve.params import GenerationParams
 from treeserve.verifier import generate
-from treeserve.verifier.near_ties import check, logit_gap, main, next_token_logits, usable
+from treeserve.bench.near_ties import check, logit_gap, main, next_token_logits, usable
 
 PROMPT = "the cat sat on the mat"
 CPU = ("--device", "cpu", "--dtype", "float32")

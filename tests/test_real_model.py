@@ -65,7 +65,7 @@ def test_shipped_dflash_drafter_is_lossless_and_accepts(smollm2):
 def test_default_drafter_accepts_three_tokens_a_round_continuing_code(smollm2):
     """The default drafter for SmolLM2 (prompt lookup merged with the shipped DFlash drafter) at budget 32, on a
     held-out code-continuation prompt: rounds carry at least 3 tokens, and the output is plain decoding's."""
-    from treeserve.drafter.corpus import read_prompts
+    from treeserve.prompt_sets import read_prompts
 
     record = next(r for r in read_prompts(WORKLOADS["code"]) if r["kind"] == "continue")
     ids = smollm2.tokenizer.encode_prompt(record["prompt"], chat=True)

@@ -15,7 +15,7 @@ from treeserve.params import GenerationParams
 from treeserve.sampling import counter_uniforms, pick_tokens, target_probs
 from treeserve.verifier import engine, generate
 from treeserve.verifier.acceptance import walk_tree
-from treeserve.verifier.near_ties import next_token_logits
+from treeserve.bench.near_ties import next_token_logits
 from treeserve.verifier.rows import Rows
 
 VOCAB = 6

@@ -6,97 +6,17 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-import urllib.request
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 import tiny_models
-from treeserve.cli.launcher import Stack
+from helpers import (NOT_SERVING, PROMPTS, SERVING, Services, collect, expected, health, request, run_all, scrape,
+                     wait_for)
 from treeserve.loading import load_target
-from treeserve.params import GenerationParams
-from treeserve.serving import free_port
 from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
-from treeserve.verifier import generate
 
 pytestmark = pytest.mark.slow
-
-SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-PROMPTS = ["the cat sat on the mat and the cat sat on the mat and the cat",
-           "one two three one two three one two three", "def f(x):\n    return x * 2\n",
-           "for i in range(10):\n\tprint(i)\n", "a b a b a b a b", "if (a != b) { return -1; }",
-           "hello hello hello world", "x = [1, 2, 3, 1, 2, 3]"]
-
-
-def health(address: str) -> int | None:
-    """The health status, or None while nothing listens there."""
-    with grpc.insecure_channel(address) as channel:
-        try:
-            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
-        except grpc.RpcError:
-            return None
-
-
-def wait_for(condition, timeout_s: float = 60.0, what: str = "a condition"):
-    deadline = time.monotonic() + timeout_s
-    while (value := condition()) is None or value is False:
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return value
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def request(prompt: str, max_new_tokens: int, **speculation) -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(prompt=prompt, stop=generation_pb2.StopConditions(
-        max_new_tokens=max_new_tokens, ignore_eos=True), speculation=generation_pb2.SpeculationParams(**speculation))
-
-
-async def collect(address: str, message) -> tuple[list[int], gateway_pb2.GenerateResponse]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        tokens, final = [], None
-        async for reply in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(message):
-            tokens.extend(reply.token_ids)
-            final = reply
-        return tokens, final
-
-
-def run_all(address: str, messages) -> list[tuple[list[int], gateway_pb2.GenerateResponse]]:
-    async def main():
-        return await asyncio.gather(*(collect(address, m) for m in messages))
-    return asyncio.run(main())
-
-
-class Services:
-    def __init__(self, runtime, target_path):
-        self.stack = Stack(runtime)
-        self.target_path = target_path
-        self.verifier_metrics = free_port()
-
-    def start_drafter(self) -> str:
-        self.drafter = self.stack.start("drafter", ["--kind", "ngram", "--grace-s", "1"])
-        wait_for(lambda: health(self.drafter) == SERVING, what="the drafter")
-        return self.drafter
-
-    def start_verifier(self, *extra: str) -> str:
-        self.verifier = self.stack.start("verifier", [
-            "--target", self.target_path, "--drafter", self.drafter, "--default-budget", "8",
-            "--draft-timeout-s", "1", "--metrics-listen", f"127.0.0.1:{self.verifier_metrics}", *extra])
-        return self.verifier
-
-    def start_gateway(self, verifier: str) -> str:
-        self.gateway = self.stack.start("gateway", ["--target", self.target_path, "--verifier", verifier])
-        return self.gateway
-
-    def process(self, name: str):
-        return self.stack.children[name][0]
 
 
 @pytest.fixture(scope="module")
@@ -114,11 +34,6 @@ def services(tmp_path_factory, model_path):
     services = Services(tmp_path_factory.mktemp("run"), model_path)
     yield services
     services.stack.stop(grace_s=1)
-
-
-def expected(target, prompt: str, max_new_tokens: int) -> list[int]:
-    params = GenerationParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    return generate(target.model, target.tokenizer, target.tokenizer.encode(prompt), params).token_ids
 
 
 def test_gateway_health_goes_from_not_serving_to_serving(services):

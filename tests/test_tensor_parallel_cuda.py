@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import tiny_models
-from test_cuda import assert_equal_or_near_tie
+from helpers import assert_equal_or_near_tie
+from treeserve.bench.near_ties import NEAR_TIE
 from treeserve.loading import load_target
-from treeserve.verifier.near_ties import NEAR_TIE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
@@ -55,7 +55,7 @@ def test_two_gpus_eager_match_their_graphs(tmp_path):
 
 
 def test_three_services_with_a_two_gpu_verifier_replaying_graphs(tmp_path):
-    from test_services import PROMPTS, SERVING, Services, expected, health, request, run_all, wait_for
+    from helpers import PROMPTS, SERVING, Services, expected, health, request, run_all, wait_for
 
     folder = str(tiny_models.write_hf_folder("llama3", tmp_path / "llama3", seed=0))
     services = Services(tmp_path, folder)

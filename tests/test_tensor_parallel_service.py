@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 import tiny_models
-from test_services import PROMPTS, SERVING, Services, expected, health, request, run_all, scrape, wait_for
+from helpers import PROMPTS, SERVING, Services, expected, health, request, run_all, scrape, wait_for
 from treeserve.loading import load_target
 from treeserve.v1 import gateway_pb2_grpc
 

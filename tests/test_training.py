@@ -14,8 +14,8 @@ import torch
 
 from random_targets import random_target, word_tokenizer
 from treeserve.cli import main
-from treeserve.drafter import corpus, corpus_sources
-from treeserve.drafter import training as T
+from treeserve.drafter.training import corpus, corpus_sources
+from treeserve.drafter.training import train as T
 from treeserve.drafter.dflash import load_dflash
 from treeserve.errors import TreeserveError
 from treeserve.models import KVCache, TreeAttention

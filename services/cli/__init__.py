@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                                              "--json prints the same object as generate --json.")
     add_client_arguments(client)
 
-    from treeserve.gateway.bench import add_bench_arguments
+    from treeserve.bench.load import add_bench_arguments
 
     bench = commands.add_parser("bench", help="measure a running gateway at several concurrencies",
                                 description="Load a treeserve gateway with fixed prompt sets at each concurrency, "
@@ -391,19 +391,19 @@ def run_health(args) -> int:
 
 
 def run_train_drafter(args) -> int:
-    from treeserve.drafter.training import run
+    from treeserve.drafter.training.train import run
 
     return run(args)
 
 
 def run_make_prompts(args) -> int:
-    from treeserve.drafter.corpus_sources import run
+    from treeserve.drafter.training.corpus_sources import run
 
     return run(args)
 
 
 def run_bench(args) -> int:
-    from treeserve.gateway.bench import main_bench
+    from treeserve.bench.load import main_bench
 
     return main_bench(args)
 

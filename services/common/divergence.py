@@ -1,5 +1,5 @@
 """Where two outputs of the same request part ways: what `treeserve bench` records of greedy runs whose tokens differ
-from plain decoding's, and what `python -m treeserve.verifier.near_ties` checks to be near-ties of the target."""
+from plain decoding's, and what `python -m treeserve.bench.near_ties` checks to be near-ties of the target."""
 
 from __future__ import annotations
 

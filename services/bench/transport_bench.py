@@ -1,4 +1,4 @@
-"""python -m treeserve.verifier.transport_bench: what one verifier -> drafter -> verifier round trip costs.
+"""python -m treeserve.bench.transport_bench: what one verifier -> drafter -> verifier round trip costs.
 
 Starts an n-gram drafter as its own process on a Unix socket (or uses --drafter ADDRESS) and drives the real
 DrafterLink through rounds of synthetic requests: each round every request commits a few new tokens and asks
@@ -77,7 +77,7 @@ async def measure(address: str, batch: int, rounds: int, warmup: int, budget: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineErrorParser(prog="python -m treeserve.verifier.transport_bench", description=__doc__)
+    parser = OneLineErrorParser(prog="python -m treeserve.bench.transport_bench", description=__doc__)
     parser.add_argument("--drafter", help="a running drafter's address (default: start one on a Unix socket)")
     parser.add_argument("--batch", default="1,16", help="comma-separated batch sizes (default 1,16)")
     parser.add_argument("--rounds", type=int, default=2000, help="measured rounds per batch size (default 2000)")
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
               f"| {r['transport_p99_us']:.0f} | {r['round_trip_p50_us']:.0f} | {r['round_trip_p99_us']:.0f} "
               f"| {r['drafter_compute_p50_us']:.0f} |")
     if args.out:
-        args.out.write_text(json.dumps({"command": " ".join(["python -m treeserve.verifier.transport_bench",
+        args.out.write_text(json.dumps({"command": " ".join(["python -m treeserve.bench.transport_bench",
                                                              *(argv if argv is not None else sys.argv[1:])]),
                                         "results": results}, indent=1) + "\n")
     return 0

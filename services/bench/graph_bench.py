@@ -1,4 +1,4 @@
-"""python -m treeserve.verifier.graph_bench: what tree verification costs on a GPU, with and without CUDA graphs.
+"""python -m treeserve.bench.graph_bench: what tree verification costs on a GPU, with and without CUDA graphs.
 
 Builds a decoder of a given shape with random weights directly on the device (default: Llama-3-8B's shape in
 bfloat16), gives every request a committed context of random keys and values, and times one verification
@@ -179,7 +179,7 @@ def attention_costs(cfg: ModelConfig, contexts: list[int], tree_nodes: int, repe
 
 
 def parse_args(argv=None):
-    p = OneLineErrorParser(prog="python -m treeserve.verifier.graph_bench", description=__doc__)
+    p = OneLineErrorParser(prog="python -m treeserve.bench.graph_bench", description=__doc__)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="model shape (default llama3-8b)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -232,7 +232,7 @@ def run(args) -> int:
     if args.tp > 1:
         parallel.add_collectives(model, args.tp)
     report = {"shape": args.shape, "dtype": args.dtype, "tp": args.tp, "device": torch.cuda.get_device_name()
-              if args.device == "cuda" else "cpu", "command": "python -m treeserve.verifier.graph_bench "
+              if args.device == "cuda" else "cpu", "command": "python -m treeserve.bench.graph_bench "
               + shlex.join(args.argv), "verification": []}
     try:
         modes = args.modes.split(",") if args.device == "cuda" else ["eager"]

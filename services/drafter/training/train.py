@@ -29,7 +29,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 import torch.nn.functional as F
 
-from treeserve.drafter.corpus import encode_prompts, read_prompts
+from treeserve.prompt_sets import encode_prompts, read_prompts
 from treeserve.drafter.dflash import DFlashConfig, DFlashModel, default_target_layer_ids, save_dflash
 from treeserve.errors import TreeserveError
 from treeserve.models import DecoderLM, ModelConfig

@@ -29,9 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from treeserve.drafter.corpus import (CODE_LANGUAGES, PROSE_STYLES, Document, distinctive_lines,
-                                      document_prompts, write_prompts)
+from treeserve.drafter.training.corpus import CODE_LANGUAGES, PROSE_STYLES, Document, distinctive_lines, document_prompts
 from treeserve.errors import TreeserveError
+from treeserve.prompt_sets import write_prompts
 
 TRAIN, HELD_OUT_CODE, HELD_OUT_PROSE = "train", "held-out-code", "held-out-prose"
 HELD_OUT_EARLIER = "held-out-earlier"  # the sources of treeserve/prompts/held-out-code.jsonl: never trained on

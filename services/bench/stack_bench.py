@@ -1,4 +1,4 @@
-"""python -m treeserve.verifier.stack_bench: greedy tokens per second of the three-service stack at one request,
+"""python -m treeserve.bench.stack_bench: greedy tokens per second of the three-service stack at one request,
 with CUDA graphs on and off (the verifier's, and the DFlash drafter's), for plain decoding and each drafter.
 
 For each mode it starts drafter, verifier and gateway (as `treeserve up` does) once per drafter configuration,
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from treeserve.cli import up_settings
 from treeserve.settings import OneLineErrorParser
-from treeserve.drafter.corpus import read_prompts
+from treeserve.prompt_sets import read_prompts
 from treeserve.errors import TreeserveError
 from treeserve.cli.launcher import Stack, start_stack
 from treeserve.params import GenerationParams
@@ -62,7 +62,7 @@ def start_graphs_stack(runtime: Path, args, kind: str, tree: str, graphs: str, m
 
 
 def parse_args(argv=None):
-    p = OneLineErrorParser(prog="python -m treeserve.verifier.stack_bench", description=__doc__)
+    p = OneLineErrorParser(prog="python -m treeserve.bench.stack_bench", description=__doc__)
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--drafter-path", help="DFlash checkpoint (default: the one shipped for the target)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         return 1
     params = GenerationParams(max_new_tokens=args.max_new_tokens)
     rows = []
-    command = "python -m treeserve.verifier.stack_bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python -m treeserve.bench.stack_bench " + shlex.join(sys.argv[1:] if argv is None else argv)
 
     def record(row: dict) -> None:
         """Print the row and rewrite the JSON, so a run cut off by a time limit keeps what it measured."""

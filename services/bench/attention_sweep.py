@@ -1,4 +1,4 @@
-"""python -m treeserve.verifier.attention_sweep: choose the tree-attention kernel's launch settings on this GPU.
+"""python -m treeserve.bench.attention_sweep: choose the tree-attention kernel's launch settings on this GPU.
 
 Times one layer's tree attention (the Triton kernel, splits combined) for every combination of the settings in
 `treeserve.kernels.tree_attention.TUNING` over a set of (batch, tree rows, context) shapes, each as GPU time
@@ -39,7 +39,7 @@ def attention_case(batch: int, rows: int, context: int, heads: int, kv_heads: in
 
 
 def parse_args(argv=None):
-    p = OneLineErrorParser(prog="python -m treeserve.verifier.attention_sweep", description=__doc__)
+    p = OneLineErrorParser(prog="python -m treeserve.bench.attention_sweep", description=__doc__)
     p.add_argument("--shapes", default="1x1x1024,1x65x1024,1x129x1024,1x1x8192,1x65x8192,1x65x32768,16x17x1024,"
                    "64x9x1024", help="batch x tree rows x context, comma-separated (default: decode and trees at "
                    "1k-32k, and two batched shapes)")
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         print("attention_sweep: error: no CUDA device", file=sys.stderr)
         return 1
     from treeserve.kernels import tree_attention as kernel
-    from treeserve.verifier.graph_bench import replay_ms
+    from treeserve.bench.graph_bench import replay_ms
 
     heads, kv_heads, head_dim = (int(x) for x in args.heads.split("/"))
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     print("best:", json.dumps(scored[0][1]))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "command": "python -m treeserve.verifier.attention_sweep "
+            json.dump({"device": torch.cuda.get_device_name(), "command": "python -m treeserve.bench.attention_sweep "
                        + shlex.join(sys.argv[1:] if argv is None else argv),
                        "best": scored[0][1], "default": default,
                        "runs": [{"setting": setting, "score": round(score, 4),

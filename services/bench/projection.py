@@ -1,4 +1,4 @@
-"""python -m treeserve.verifier.projection: projected speculative decoding speed for a target whose verification
+"""python -m treeserve.bench.projection: projected speculative decoding speed for a target whose verification
 costs were measured (graph_bench's JSON) and whose acceptance was measured on another (acceptance_bench's JSON).
 
 A PROJECTION, not a measurement: tokens per round come from one target and its drafters; round times from
@@ -79,7 +79,7 @@ def _row(batch: int, drafter: str, budget: int, tokens: float, ms: float, decode
 
 
 def parse_args(argv=None):
-    p = OneLineErrorParser(prog="python -m treeserve.verifier.projection", description=__doc__)
+    p = OneLineErrorParser(prog="python -m treeserve.bench.projection", description=__doc__)
     p.add_argument("--costs", required=True, help="graph_bench JSON (graphs mode) of the target to project for")
     p.add_argument("--acceptance", required=True, help="acceptance_bench JSON (tokens per round by budget)")
     p.add_argument("--drafter-ms", default="",
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
               f"break-even {row['break_even_tokens_per_round']:.2f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": "python -m treeserve.verifier.projection "
+            json.dump({"command": "python -m treeserve.bench.projection "
                        + shlex.join(sys.argv[1:] if argv is None else argv), "projection": True,
                        "drafter_ms": drafter_ms, "rows": rows}, f, indent=1)
     return 0

@@ -1,4 +1,4 @@
-"""python -m treeserve.drafter.acceptance_bench: mean accepted length of drafters side by side, greedy.
+"""python -m treeserve.bench.acceptance_bench: mean accepted length of drafters side by side, greedy.
 
 Loads the target once and generates every prompt of a JSONL file ({"prompt": ..., "chat": bool} per line) with
 plain decoding, the n-gram drafter, and a DFlash checkpoint as chain, as DDTree and merged with prompt lookup at
@@ -33,7 +33,7 @@ def configurations(args) -> list[tuple[str, str, int]]:
 
 def run(args) -> dict:
     from treeserve.drafter import load_drafter
-    from treeserve.drafter.corpus import encode_prompts, read_prompts
+    from treeserve.prompt_sets import encode_prompts, read_prompts
     from treeserve.loading import load_target
     from treeserve.params import GenerationParams
     from treeserve.verifier import generate
@@ -53,7 +53,7 @@ def run(args) -> dict:
     verifiers = one_request_verifiers(target.model, drafters.values(), encoded, args) if graphs else {}
     plain = [generate(target.model, tok, ids, params, verifier=verifiers.get(())).token_ids for ids in encoded]
     rows = []
-    results = {"command": " ".join(["python -m treeserve.drafter.acceptance_bench", *args.argv]),
+    results = {"command": " ".join(["python -m treeserve.bench.acceptance_bench", *args.argv]),
                "target": args.target, "drafter_path": str(args.drafter_path or ""),
                "device": args.device, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
                "prompts_file": str(args.prompts), "rows": rows}
@@ -91,7 +91,7 @@ def one_request_verifiers(model, drafters, encoded: list[list[int]], args) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineErrorParser(prog="python -m treeserve.drafter.acceptance_bench", description=__doc__)
+    parser = OneLineErrorParser(prog="python -m treeserve.bench.acceptance_bench", description=__doc__)
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--drafter-path", type=Path, help="a DFlash checkpoint (omit for n-gram only)")
     parser.add_argument("--prompts", type=Path, required=True, help="JSONL of {\"prompt\", \"chat\"}")

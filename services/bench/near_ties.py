@@ -1,4 +1,4 @@
-"""python -m treeserve.verifier.near_ties: whether greedy outputs that part ways do so at near-ties of the target.
+"""python -m treeserve.bench.near_ties: whether greedy outputs that part ways do so at near-ties of the target.
 
 In bfloat16 a forward rounds differently with its shapes (the batch, the tree, the GEMM kernel picked for them),
 so a speculative run's greedy output may part from plain decoding's, and one plain run's from another's. That is
@@ -8,7 +8,7 @@ a logit within `tolerance` times the largest logit's magnitude (at least 1) of t
 records, for greedy runs, each request's divergence from the first plain run at its load ("divergences"); this
 checks them.
 
-    python -m treeserve.verifier.near_ties BENCH.json [...] --target smollm2-135m --device cuda --dtype bfloat16
+    python -m treeserve.bench.near_ties BENCH.json [...] --target smollm2-135m --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def logit_gap(model, context: list[int], one: int, other: int) -> Gap:
 
 def usable(report: dict, prompts_file: Path | None = None) -> list[dict]:
     """The report's prompts, once it is known to hold greedy runs with their divergences recorded."""
-    from treeserve.drafter.corpus import read_prompts
+    from treeserve.prompt_sets import read_prompts
 
     if not isinstance(report, dict) or not {"runs", "prompts", "temperature"} <= report.keys():
         raise TreeserveError("not a treeserve bench report (no runs, prompts or temperature)")
@@ -115,7 +115,7 @@ def check(report: dict, prompts: list[dict], target: LoadedModel, tolerance: flo
 
 
 def parse_args(argv=None):
-    p = OneLineErrorParser(prog="python -m treeserve.verifier.near_ties",
+    p = OneLineErrorParser(prog="python -m treeserve.bench.near_ties",
                            description="Check that greedy outputs recorded by treeserve bench part ways only at "
                                        "near-ties of the target. Exits 1 unless every divergence is one.")
     p.add_argument("reports", nargs="+", help="treeserve bench JSON files (greedy runs)")
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
             print(f"  NOT a near-tie: {where}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": "python -m treeserve.verifier.near_ties "
+            json.dump({"command": "python -m treeserve.bench.near_ties "
                        + shlex.join(sys.argv[1:] if argv is None else argv), "summaries": summaries}, f, indent=1)
     return 0 if clean else 1
 

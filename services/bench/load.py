@@ -11,7 +11,7 @@ latency. Per run: output tokens per second (over the run's wall time; while all 
 which leaves the final drain out; and the mean of each request's own rate), time to the first token and
 inter-token latency (p50/p99), the mean tokens per verification round, the verifier's mean round time by phase
 (with --verifier-metrics), errors by gRPC status, and for greedy runs where each output that differs from the first
-plain run's parts from it (for python -m treeserve.verifier.near_ties). The JSON goes to --out, and a PNG plot
+plain run's parts from it (for python -m treeserve.bench.near_ties). The JSON goes to --out, and a PNG plot
 beside it (tokens per second against concurrency; tokens per round against budget).
 
 One pair of runs resolves no difference below a few percent: on one H200, runs that did the same work read
@@ -215,7 +215,7 @@ async def model_info(address: str) -> dict:
 
 
 def run_bench(args) -> dict:
-    from treeserve.drafter.corpus import read_prompts
+    from treeserve.prompt_sets import read_prompts
     from treeserve.telemetry import checked_by_budget, round_phase_means, round_totals, rounds_by_budget
 
     path = Path(args.prompts) if args.prompts else WORKLOADS[args.workload]

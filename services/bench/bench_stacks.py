@@ -1,4 +1,4 @@
-"""python -m treeserve.gateway.bench_stacks: the serving tables of docs/benchmarks.md in one command.
+"""python -m treeserve.bench.bench_stacks: the serving tables of docs/benchmarks.md in one command.
 
 For each drafter, starts the three services as `treeserve up` does (with the verifier's metrics on), runs
 `treeserve bench` for every workload and temperature against it (plain and speculative side by side), and stops
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from treeserve.errors import TreeserveError
-from treeserve.verifier.stack_bench import DRAFTER_CONFIGS as DRAFTERS  # name -> (drafter --kind, --tree)
+from treeserve.bench.stack_bench import DRAFTER_CONFIGS as DRAFTERS  # name -> (drafter --kind, --tree)
 
 
 def bench_name(drafter: str, workload: str, temperature: float) -> str:
@@ -27,7 +27,7 @@ def render_tables(out_dir: Path, drafters: list[str], workloads: list[str], temp
     its speculative run with the ratio. Closed loops: tok/s (the ratio while saturated too, where the run had such
     a stretch). Open loops: each request's own tok/s, the aggregate in brackets (below saturation both modes
     deliver what arrives)."""
-    from treeserve.gateway.bench import level, ratio_summary
+    from treeserve.bench.load import level, ratio_summary
 
     lines = []
     for workload in workloads:
@@ -79,9 +79,9 @@ def ratio_range(entry: dict, key: str = "speedup_range") -> str:
 
 
 def parse_args(argv: list[str] | None):
-    from treeserve.gateway.bench import WORKLOADS, float_list, int_list
+    from treeserve.bench.load import WORKLOADS, float_list, int_list
 
-    p = argparse.ArgumentParser(prog="python -m treeserve.gateway.bench_stacks", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m treeserve.bench.bench_stacks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", required=True, help="bench JSON and plots, stack logs, and tables.md go here")
     p.add_argument("--target", default="smollm2-135m", help="default smollm2-135m")

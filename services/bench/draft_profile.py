@@ -1,4 +1,4 @@
-"""python -m treeserve.drafter.draft_profile: where a DFlash drafter's round goes, in process.
+"""python -m treeserve.bench.draft_profile: where a DFlash drafter's round goes, in process.
 
 For each tree size limit (the drafter's max budget) and batch size, requests with a context of --context tokens
 each take rounds of --new-tokens accepted tokens: the host time of each step of a round, each step timed on its
@@ -23,7 +23,7 @@ STEPS = ("extend", "propose_merged", "propose", "block_and_trees", "trees_to_hos
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = OneLineErrorParser(prog="python -m treeserve.drafter.draft_profile", description=__doc__,
+    parser = OneLineErrorParser(prog="python -m treeserve.bench.draft_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m", help="model name, HF folder or .gguf (default %(default)s)")
     parser.add_argument("--drafter-path", help="a DFlash checkpoint (default: the one shipped for --target)")
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     except TreeserveError as error:
         print(f"draft_profile: error: {error}", file=sys.stderr)
         return 1
-    report = {"command": " ".join(["python -m treeserve.drafter.draft_profile", *args.argv]), "target": args.target,
+    report = {"command": " ".join(["python -m treeserve.bench.draft_profile", *args.argv]), "target": args.target,
               "device": args.device, "dtype": args.dtype, "budget": args.budget, "context": args.context,
               "new_tokens": args.new_tokens, "repeats": args.repeats, "rows": rows}
     if args.out:

@@ -1,4 +1,4 @@
-"""python -m treeserve.verifier.transformers_baseline: the outside baseline, transformers' own `generate`.
+"""python -m treeserve.bench.transformers_baseline: the outside baseline, transformers' own `generate`.
 
 The same target (loaded by treeserve's loader, so a GGUF works too, then handed to transformers with its
 weights under HF names), the same prompts and the same number of new tokens, one request at a time: greedy
@@ -69,7 +69,7 @@ def timed_generate(model, ids: list[int], max_new_tokens: int, device: str, **mo
 
 
 def parse_args(argv=None):
-    p = OneLineErrorParser(prog="python -m treeserve.verifier.transformers_baseline", description=__doc__)
+    p = OneLineErrorParser(prog="python -m treeserve.bench.transformers_baseline", description=__doc__)
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--prompts", default=str(WORKLOADS["code"]))
     p.add_argument("--limit", type=int, default=8)
@@ -88,7 +88,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from treeserve.drafter.corpus import encode_prompts, read_prompts
+    from treeserve.prompt_sets import encode_prompts, read_prompts
 
     try:
         modes = args.modes.split(",")
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
             print(f"transformers {row['mode']}: {same}/{len(prompts)} outputs equal treeserve's greedy")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": "python -m treeserve.verifier.transformers_baseline "
+            json.dump({"command": "python -m treeserve.bench.transformers_baseline "
                        + shlex.join(sys.argv[1:] if argv is None else argv), "target": args.target,
                        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                        "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "prompts": len(prompts),
