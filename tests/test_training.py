@@ -156,6 +156,8 @@ def test_training_lowers_the_loss(target, dataset, tmp_path):
     assert last < first - 0.4, losses
     assert summary["held_out"]["loss"] < before["loss"] - 0.2
     assert summary["held_out"]["accepted_length"] >= 1.0
+    assert [point["step"] for point in summary["held_out_curve"]] == [40]
+    assert summary["held_out_curve"][-1]["loss"] == summary["held_out"]["loss"]
     again = load_dflash(tmp_path)
     assert again.config == model.config
 

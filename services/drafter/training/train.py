@@ -621,7 +621,7 @@ def train(model: DFlashModel, target: DecoderLM, data: Sequence[Sample], held_ou
     if first_step:
         log(f"train: resuming from {STATE_NAME} at step {first_step}")
     weights = decay_weights(model.config.block_size, settings.loss_decay)
-    progress, evaluation = Progress(settings.steps), None
+    progress, evaluation, held_out_curve = Progress(settings.steps), None, []
     for step in range(first_step, settings.steps):
         done = step + 1
         for group in optimizer.param_groups:
@@ -639,6 +639,8 @@ def train(model: DFlashModel, target: DecoderLM, data: Sequence[Sample], held_ou
             log(progress.line(done, settings.lr_at(step)))
         if held_out and (done % settings.eval_every == 0 or done == settings.steps):
             evaluation = evaluate(model, target, held_out, settings)
+            held_out_curve.append({"step": done, "loss": evaluation["loss"],
+                                   "accepted_length": evaluation["accepted_length"]})
             log(f"eval: step {done} held-out loss {evaluation['loss']:.4f} "
                 f"accepted length {evaluation['accepted_length']:.3f} ({evaluation['anchors']} anchors)")
         if done % settings.save_every == 0 or done == settings.steps:
@@ -646,7 +648,8 @@ def train(model: DFlashModel, target: DecoderLM, data: Sequence[Sample], held_ou
     if held_out and evaluation is None:  # nothing left to train: report the saved drafter
         evaluation = evaluate(model, target, held_out, settings)
     return {"start_step": first_step, "steps": settings.steps, "loss_curve": progress.curve,
-            "final_loss": progress.curve[-1][1] if progress.curve else None, "held_out": evaluation}
+            "final_loss": progress.curve[-1][1] if progress.curve else None, "held_out": evaluation,
+            "held_out_curve": held_out_curve}
 
 
 def format_duration(seconds: float) -> str:
