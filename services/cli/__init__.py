@@ -10,7 +10,7 @@ from pathlib import Path
 
 from treeserve.errors import TreeserveError
 from treeserve.params import GenerationParams
-from treeserve.settings import TREE_KINDS, OneLineErrorParser
+from treeserve.settings import DEVICES, DTYPES, GRAPHS, TREE_KINDS, OneLineErrorParser
 from treeserve.tree import MAX_BUDGET
 
 DRAFTERS = ("auto", "none", "ngram", "dflash", "merged", "model")
@@ -56,12 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "for the budget; default)")
     gen.add_argument("--budget", type=int, default=16,
                      help=f"drafted tree nodes per round, 1 to {MAX_BUDGET} (default 16)")
-    gen.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="default cpu")
+    gen.add_argument("--device", default="cpu", choices=DEVICES, help="default cpu")
     gen.add_argument("--tp", type=int, default=1,
                      help="tensor-parallel ranks: the target split over N processes (N GPUs with --device cuda; "
                           "under torchrun, its ranks); default 1")
-    gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="default float32")
-    gen.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+    gen.add_argument("--dtype", default="float32", choices=DTYPES, help="default float32")
+    gen.add_argument("--cuda-graphs", choices=GRAPHS, default="auto",
                      help="verify trees (and run a DFlash drafter's block) by replaying CUDA graphs, on every "
                           "tensor-parallel rank with its collectives (auto: with --device cuda)")
     add_generation_arguments(gen)
@@ -88,12 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--drafter-path", help=DRAFTER_PATH_HELP)
     up.add_argument("--tree", choices=TREE_KINDS, default="ddtree", help="--drafter dflash: chain or ddtree (default)")
     up.add_argument("--budget", type=int, default=16, help=f"default tree budget, 1 to {MAX_BUDGET} (default 16)")
-    up.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    up.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    up.add_argument("--device", default="cpu", choices=DEVICES)
+    up.add_argument("--dtype", default="float32", choices=DTYPES)
     up.add_argument("--tp", type=int, default=1, help="the verifier's tensor-parallel ranks (default 1)")
     up.add_argument("--max-batch", type=int, default=64,
                     help="requests per verification round at most, and what the CUDA graphs cover (default 64)")
-    up.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+    up.add_argument("--cuda-graphs", choices=GRAPHS, default="auto",
                     help="replay the verifier's and the DFlash drafter's forwards from CUDA graphs: auto (on with "
                          "--device cuda), on, off (for debugging)")
     up.add_argument("--speculation", choices=("fixed", "adaptive"), default="fixed",
@@ -182,7 +182,7 @@ def add_drafter_training_commands(commands) -> None:
     train.add_argument("--eval-every", type=int, default=250, help="held-out evaluation every N steps (250)")
     train.add_argument("--save-every", type=int, default=500, help="resumable checkpoint every N steps (500)")
     train.add_argument("--seed", type=int, default=0, help="data order, anchors and init (default 0)")
-    train.add_argument("--device", choices=("cpu", "cuda"), help="default cuda when available (bf16), else cpu")
+    train.add_argument("--device", choices=DEVICES, help="default cuda when available (bf16), else cpu")
     train.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                        help="dtype of the saved drafter weights (default bfloat16)")
 
