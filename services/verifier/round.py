@@ -45,7 +45,7 @@ class Running:
         requests that kept theirs from their prefill."""
         link, generation = self.link, self.generation
         return (link is not None and link.up and generation.prefilled
-                and (not link.feature_layer_ids or generation.keep_features))
+                and (not link.feature_layer_ids or generation.features.keep))
 
 
 @dataclasses.dataclass(frozen=True)
