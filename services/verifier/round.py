@@ -194,16 +194,15 @@ async def speculative_round(running: dict[str, Running], speculation: Speculatio
                             trace_contexts: dict[str, dict[str, str]]) -> RoundReport:
     """One round of the running batch (`trace_contexts`: W3C headers of each request's round span, for its
     drafter; empty when tracing is off). Requests cancelled meanwhile leave `running` and the round."""
-    started = time.perf_counter()
+    started, batch = time.perf_counter(), len(running)
     # Drafts: the policy's budget for each request that can draft, one batched round trip per drafter.
     asking = {request_id: entry for request_id, entry in running.items() if entry.asks_for_a_tree}
     budgets, choice = speculation.round_budgets(
-        {request_id: entry.generation.budget for request_id, entry in asking.items()}, len(running))
-    report = RoundReport(len(running), choice, budgets, await draft(asking, budgets, trace_contexts,
-                                                                    runner.feature_backlog))
-    trees = {request_id: tree for found in report.drafts for request_id, tree in found.trees.items()}
+        {request_id: entry.generation.budget for request_id, entry in asking.items()}, batch)
+    drafts = await draft(asking, budgets, trace_contexts, runner.feature_backlog)
+    trees = {request_id: tree for found in drafts for request_id, tree in found.trees.items()}
     drafted = time.perf_counter()
-    report.draft_s = drafted - started
+    report = RoundReport(batch, choice, budgets, drafts, draft_s=drafted - started)
     # Plan: each request's rows of one forward, its tree's or its prompt's (the root alone: a plain step).
     plans = {request_id: plan(request_id, entry.generation, trees.get(request_id))
              for request_id, entry in running.items()}
