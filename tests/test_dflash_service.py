@@ -17,7 +17,9 @@ from treeserve.params import GenerationParams
 from treeserve.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
 from treeserve.verifier import generate
 from treeserve.verifier import drafter_link
+from treeserve.verifier.adaptive import AdaptiveSpeculation
 from treeserve.verifier.drafter_link import DrafterLink
+from treeserve.verifier.round import Choice, FixedSpeculation
 from treeserve.verifier.server import VerifierServicer
 
 VOCAB = 64
@@ -55,11 +57,12 @@ async def start_drafter(tmp_path, drafter):
     return await serving.start(f"unix://{tmp_path}/drafter.sock", DrafterServicer(drafter).register)
 
 
-async def start_verifier(tmp_path, target, link: DrafterLink):
-    """The verifier service with one drafter link; returns (service, scheduler, scheduler task)."""
+async def start_verifier(tmp_path, target, link: DrafterLink, speculation=None):
+    """The verifier service with one drafter link (and `speculation`, default fixed); returns (service, scheduler,
+    scheduler task)."""
     servicer = VerifierServicer("tiny", [link], default_budget=8, default_max_new_tokens=30, max_batch=8)
     verifier = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
-    scheduler = servicer.attach(target)
+    scheduler = servicer.attach(target, None, speculation)
     task = asyncio.ensure_future(scheduler.run())
     await scheduler.connect(link)
     return verifier, scheduler, task
@@ -141,23 +144,18 @@ def test_dflash_through_the_services_is_lossless_and_gets_the_target_features(tm
     assert drafter.pool.allocator.free_count == drafter.pool.allocator.num_blocks
 
 
-class EveryFifthRound:
-    """Adaptive speculation's interface, choosing plain decoding four rounds in five."""
+class EveryFifthRound(FixedSpeculation):
+    """A speculation policy that drafts (budget 8) one round in five, and decodes plainly in the others."""
 
     def __init__(self):
-        self.rounds, self.last_choice = 0, 0
-        self.expected = None  # no estimates to check rounds against
+        self.rounds = 0
 
-    def choose(self, budgets, batch):
+    def round_budgets(self, asked, batch):
+        if not asked:
+            return {}, None
         self.rounds += 1
-        self.last_choice = 8 if self.rounds % 5 == 0 else 0
-        return self.last_choice
-
-    def speculates_new_request(self, batch):
-        return True
-
-    def __getattr__(self, name):  # the observations: not needed here
-        return lambda *args, **kwargs: None
+        budget = 8 if self.rounds % 5 == 0 else 0
+        return {request_id: min(budget, own) for request_id, own in asked.items() if budget}, Choice(budget)
 
 
 def test_features_of_plain_rounds_reach_the_drafter_when_it_next_drafts(tmp_path, target):
@@ -168,11 +166,7 @@ def test_features_of_plain_rounds_reach_the_drafter_when_it_next_drafts(tmp_path
     async def main():
         drafter_service = await start_drafter(tmp_path, drafter)
         link = DrafterLink(drafter_service.address, timeout_s=5.0)
-        servicer = VerifierServicer("tiny", [link], default_budget=8, default_max_new_tokens=30, max_batch=8)
-        verifier = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
-        scheduler = servicer.attach(target, None, EveryFifthRound())
-        task = asyncio.ensure_future(scheduler.run())
-        await scheduler.connect(link)
+        verifier, scheduler, task = await start_verifier(tmp_path, target, link, EveryFifthRound())
         async with grpc.aio.insecure_channel(verifier.address) as channel:
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
             outputs = await asyncio.gather(*(collect(stub, request(p)) for p in PROMPTS))
@@ -184,6 +178,39 @@ def test_features_of_plain_rounds_reach_the_drafter_when_it_next_drafts(tmp_path
         assert output == expected(target, prompt)
     assert check_received_features(target, drafter) == len(PROMPTS)
     assert all(len(context.received) < len(context.tokens) - 1 for context in drafter.contexts)  # rows came batched
+
+
+def test_where_drafting_has_stopped_paying_new_requests_decode_plainly(tmp_path, target):
+    """With adaptive speculation finding that drafting does not pay at any batch size (a DFlash drafter's request
+    keeps its target features, so it costs even in plain rounds, alone too), requests that ask for trees are
+    admitted decoding plainly (no drafts, none of a drafting request's bookkeeping), but for one in CANARY_EVERY,
+    and stream the target's own tokens either way."""
+    every = AdaptiveSpeculation().give_up.CANARY_EVERY
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(every)]
+    drafter = recording_drafter(target)
+
+    async def main():
+        drafter_service = await start_drafter(tmp_path, drafter)
+        link = DrafterLink(drafter_service.address, timeout_s=5.0)
+        verifier, scheduler, task = await start_verifier(tmp_path, target, link, AdaptiveSpeculation(give_up_after_s=0.0))
+        async with grpc.aio.insecure_channel(verifier.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:  # checked before it counts as an admission
+                await collect(stub, request([]))
+            outputs = [await collect(stub, request(prompt, 16)) for prompt in prompts]  # one at a time
+        await stop_all(task, verifier, link, drafter_service)
+        return outputs, scheduler, refused.value
+
+    outputs, scheduler, refused = asyncio.run(main())
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for prompt, output in zip(prompts, outputs):
+        assert output == expected(target, prompt, 16)
+    # Only the last one (the canary) reached the drafter, and it drafted.
+    assert len(drafter.contexts) == 1 and drafter.contexts[0].tokens[:len(prompts[-1])] == prompts[-1]
+    assert check_received_features(target, drafter) == 1
+    registry = scheduler.metrics.registry
+    assert registry.get_sample_value("treeserve_verifier_plain_admissions_total") == len(prompts) - 1
+    assert registry.get_sample_value("treeserve_drafts_total") > 0
 
 
 def test_a_restarted_dflash_drafter_gets_every_request_resent(tmp_path, target):

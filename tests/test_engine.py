@@ -133,7 +133,7 @@ class TestStopsInsideAnAcceptedPath:
         drafter = RandomTreeDrafter(oracle(self.prompt, self.reference), VOCAB, seed=2, oracle_rate=1.0)
         generation = Generation(self.model, word_tokenizer(VOCAB), self.prompt,
                                 GenerationParams(max_new_tokens=40, stop_strings=(stop,)), drafter, 8)
-        stream = TextStream(generation.tokenizer, generation.stop_ids, (stop,))
+        stream = TextStream(generation.tokenizer, generation.stops.ids, (stop,))
         streamed = []
         while not generation.finished:
             streamed.append(stream.push(generation.step(), final=generation.finished))
@@ -222,49 +222,48 @@ def test_requests_batched_into_one_forward_each_get_their_own_output():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_kept_features_reach_the_host_in_order_when_flushed(device):
-    """FeatureBacklog: rows gathered over rounds land on each generation's feature_chunks in round order, one
-    chunk per generation and transfer, only when flushed (before a draft) or once FLUSH_ROUNDS rounds piled up;
+    """FeatureBacklog: rows gathered over rounds land on each request's feature chunks in round order, one
+    chunk per request and transfer, only when flushed (before a draft) or once FLUSH_ROUNDS rounds piled up;
     from a GPU, in page-locked memory. A long request's views of shared transfers get joined into its own."""
-    from types import SimpleNamespace
-
-    from treeserve.verifier.engine import FeatureBacklog
+    from treeserve.verifier.engine import FeatureBacklog, TargetFeatures
     from treeserve.verifier.rows import Rows
 
-    a, b = (SimpleNamespace(last_features=None, feature_chunks=[], sent=[]) for _ in range(2))
+    a, b = (TargetFeatures((0,), keep=True) for _ in range(2))
+    sent = {id(a): [], id(b): []}
     backlog = FeatureBacklog()
     rows = iter(range(10000))
 
-    def round_of(*generations_and_counts):
-        for generation, count in generations_and_counts:
+    def round_of(*requests_and_counts):
+        for request, count in requests_and_counts:
             values = [float(next(rows)) for _ in range(count)]
-            generation.sent.extend(values)
-            generation.last_features = Rows(torch.tensor([[value] for value in values], device=device))
-        backlog.add([generation for generation, _ in generations_and_counts])
+            sent[id(request)].extend(values)
+            request.last = Rows(torch.tensor([[value] for value in values], device=device))
+        backlog.add([request for request, _ in requests_and_counts])
 
-    def received(generation):
-        return torch.cat(generation.feature_chunks).flatten().tolist()
+    def received(request):
+        return torch.cat(request.chunks).flatten().tolist()
 
     round_of((a, 3), (b, 1))  # a's prompt of three rows, b's plain step
     round_of((b, 2))
     round_of((a, 1), (b, 1))
-    assert a.feature_chunks == [] and b.feature_chunks == []  # nothing moved yet
+    assert a.chunks == [] and b.chunks == []  # nothing moved yet
     backlog.flush()
-    assert [chunk.flatten().tolist() for chunk in a.feature_chunks] == [[0, 1, 2, 6]]
-    assert [chunk.flatten().tolist() for chunk in b.feature_chunks] == [[3, 4, 5, 7]]
+    assert [chunk.flatten().tolist() for chunk in a.chunks] == [[0, 1, 2, 6]]
+    assert [chunk.flatten().tolist() for chunk in b.chunks] == [[3, 4, 5, 7]]
     backlog.flush()  # nothing left: nothing added
-    assert len(a.feature_chunks) == 1 and len(b.feature_chunks) == 1
+    assert len(a.chunks) == 1 and len(b.chunks) == 1
     for _ in range(FeatureBacklog.FLUSH_ROUNDS):
         round_of((a, 1))
-    assert len(a.feature_chunks) == 2 and not backlog.rounds  # moved without a flush
+    assert len(a.chunks) == 2 and not backlog.rounds  # moved without a flush
     backlog.flush()  # (from a GPU, that copy may still be running until a flush)
-    assert received(a) == a.sent and received(b) == b.sent
-    assert all(chunk.device.type == "cpu" and chunk.is_pinned() == (device == "cuda") for chunk in a.feature_chunks)
+    assert received(a) == sent[id(a)] and received(b) == sent[id(b)]
+    assert all(chunk.device.type == "cpu" and chunk.is_pinned() == (device == "cuda") for chunk in a.chunks)
     for _ in range(3 * FeatureBacklog.JOIN_CHUNKS):
         round_of((b, 2), (a, 1))
         backlog.flush()
-    assert received(a) == a.sent and received(b) == b.sent
-    views = [chunk for chunk in a.feature_chunks if chunk._base is not None]
-    assert len(a.feature_chunks) <= 3 + FeatureBacklog.JOIN_CHUNKS and len(views) <= FeatureBacklog.JOIN_CHUNKS
+    assert received(a) == sent[id(a)] and received(b) == sent[id(b)]
+    views = [chunk for chunk in a.chunks if chunk._base is not None]
+    assert len(a.chunks) <= 3 + FeatureBacklog.JOIN_CHUNKS and len(views) <= FeatureBacklog.JOIN_CHUNKS
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
@@ -273,12 +272,10 @@ def test_kept_features_of_a_few_requests_among_a_forwards_rows(device):
     """FeatureBacklog, as a round leaves it: the requests that keep features hold scattered rows of one output they
     share with the rest (a plain step's row, a tree's accepted nodes, a prompt's rows), and each gets exactly its
     own rows, in round order, whatever the next round writes into that output."""
-    from types import SimpleNamespace
-
-    from treeserve.verifier.engine import FeatureBacklog
+    from treeserve.verifier.engine import FeatureBacklog, TargetFeatures
     from treeserve.verifier.rows import Rows
 
-    a, b, c = (SimpleNamespace(last_features=None, feature_chunks=[]) for _ in range(3))
+    a, b, c = (TargetFeatures((0,), keep=True) for _ in range(3))
     backlog = FeatureBacklog()
     output = torch.empty(12, 2, device=device)  # a forward's outputs, overwritten every round
     expected = {id(a): [], id(b): [], id(c): []}
@@ -289,11 +286,11 @@ def test_kept_features_of_a_few_requests_among_a_forwards_rows(device):
     ]
     for number, kept in enumerate(rounds):
         output.copy_(torch.arange(24, dtype=torch.float32).view(12, 2) + 100 * number)
-        for generation, index in kept:
-            generation.last_features = Rows(output, index)
-            expected[id(generation)] += output[list(index)].tolist()
-        backlog.add([generation for generation, _ in kept])
+        for request, index in kept:
+            request.last = Rows(output, index)
+            expected[id(request)] += output[list(index)].tolist()
+        backlog.add([request for request, _ in kept])
     output.fill_(-1)  # the next replay: copied rows must not see it
     backlog.flush()
-    for generation in (a, b, c):
-        assert torch.cat(generation.feature_chunks).tolist() == expected[id(generation)]
+    for request in (a, b, c):
+        assert torch.cat(request.chunks).tolist() == expected[id(request)]

@@ -22,7 +22,8 @@ from treeserve.v1 import generation_pb2, verifier_pb2, verifier_pb2_grpc
 from treeserve.verifier import generate
 from treeserve.verifier.drafter_link import DrafterLink
 from treeserve.verifier.graphs import build_verifier
-from treeserve.verifier import server as verifier_server
+from treeserve.verifier import round as verifier_round
+from treeserve.verifier.adaptive import AdaptiveSpeculation
 from treeserve.verifier.server import VerifierServicer
 
 VOCAB = 64
@@ -127,8 +128,8 @@ def test_the_forwards_run_on_the_thread_that_loaded_the_target(tmp_path, target,
     def forward_batch(*args):
         threads.append(threading.current_thread().name)
         return original(*args)
-    original = verifier_server.forward_batch
-    monkeypatch.setattr(verifier_server, "forward_batch", forward_batch)
+    original = verifier_round.forward_batch
+    monkeypatch.setattr(verifier_round, "forward_batch", forward_batch)
     compute = ThreadPoolExecutor(1, "loaded-the-target")
     prompt = repetitive_prompts(1, seed=5)[0]
 
@@ -228,66 +229,28 @@ def test_bad_requests_are_invalid_argument(tmp_path, target, message, text):
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and text in error.details()
 
 
-async def start_given_up_verifier(tmp_path, target, adaptive, drafting_costs_in_plain_rounds=True):
-    """A verifier with one drafter, whose `adaptive` speculation has found that drafting does not pay at any batch
-    size, and takes it that a drafting request costs in plain rounds (as a DFlash drafter's, which keeps target
-    features), unless `drafting_costs_in_plain_rounds` is None: then as the scheduler set it from the drafter."""
-    from treeserve.verifier.adaptive import AdaptiveSpeculation
-
+async def start_adaptive_verifier(tmp_path, target, adaptive):
+    """A verifier with one n-gram drafter (no target features) and `adaptive` speculation."""
     drafter = await start_drafter(tmp_path)
     links = [DrafterLink(drafter.address, 1.0)]
     servicer = VerifierServicer("tiny", links, default_budget=8, default_max_new_tokens=16, max_batch=8)
     service = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
-    adaptive.unpaid_s = {bucket: AdaptiveSpeculation.GIVE_UP_AFTER_S for bucket in (1, 2, 4, 8)}
     scheduler = servicer.attach(target, build_verifier(target.model, 8, False, 0, block_size=4), adaptive)
     task = asyncio.ensure_future(scheduler.run())
     await scheduler.connect(links[0])
-    if drafting_costs_in_plain_rounds is not None:  # None: as the scheduler set it from the drafter
-        adaptive.drafting_costs_in_plain_rounds = drafting_costs_in_plain_rounds
     return drafter, service, scheduler, task
-
-
-def test_where_drafting_has_stopped_paying_new_requests_decode_plainly(tmp_path, target):
-    """With adaptive speculation finding that drafting does not pay at any batch size, requests that ask for
-    trees are admitted decoding plainly (no drafts, none of a drafting request's bookkeeping), but for one in
-    CANARY_EVERY, and stream the target's own tokens either way."""
-    from treeserve.verifier.adaptive import AdaptiveSpeculation
-
-    prompts = repetitive_prompts(AdaptiveSpeculation.CANARY_EVERY, seed=3)
-
-    async def main():
-        drafter, service, scheduler, task = await start_given_up_verifier(tmp_path, target, AdaptiveSpeculation())
-        async with grpc.aio.insecure_channel(service.address) as channel:
-            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
-            with pytest.raises(grpc.aio.AioRpcError) as refused:  # checked before it counts as an admission
-                await collect(stub, request([]))
-            results = [await collect(stub, request(prompt)) for prompt in prompts]  # one at a time
-        task.cancel()
-        await service.server.stop(0)
-        await drafter.server.stop(0)
-        return results, scheduler, refused.value
-
-    results, scheduler, refused = asyncio.run(main())
-    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
-    for prompt, (tokens, _) in zip(prompts, results):
-        assert tokens == expected(target, prompt)
-    drafting = [final.stats.drafted_tokens > 0 for _, final in results]
-    assert drafting == [False] * (len(prompts) - 1) + [True]  # the last one: the canary
-    registry = scheduler.metrics.registry
-    assert registry.get_sample_value("treeserve_verifier_plain_admissions_total") == len(prompts) - 1
 
 
 def test_a_lone_request_of_a_drafter_without_features_is_not_given_up(tmp_path, target):
     """The n-gram drafter keeps no target features, so a request that could draft costs nothing more in a plain
-    round: the scheduler tells adaptive speculation so, and where drafting has not paid, requests that ask for trees
-    one at a time are still admitted drafting and keep drafting (their rounds' choices, not a ban, decide)."""
-    from treeserve.verifier.adaptive import AdaptiveSpeculation
-
+    round: the scheduler tells adaptive speculation so, and where drafting has been given up everywhere, requests
+    that ask for trees one at a time are still admitted drafting and keep drafting (their rounds' choices, not a
+    ban, decide)."""
     prompts = repetitive_prompts(3, seed=4)
 
     async def main():
-        drafter, service, scheduler, task = await start_given_up_verifier(
-            tmp_path, target, AdaptiveSpeculation(), drafting_costs_in_plain_rounds=None)
+        drafter, service, scheduler, task = await start_adaptive_verifier(
+            tmp_path, target, AdaptiveSpeculation(give_up_after_s=0.0))
         async with grpc.aio.insecure_channel(service.address) as channel:
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
             results = [await collect(stub, request(prompt)) for prompt in prompts]
@@ -297,7 +260,7 @@ def test_a_lone_request_of_a_drafter_without_features_is_not_given_up(tmp_path, 
         return results, scheduler
 
     results, scheduler = asyncio.run(main())
-    assert scheduler.adaptive.drafting_costs_in_plain_rounds is False  # set from the drafter it connected to
+    assert scheduler.feature_layer_ids == ()  # what the scheduler tells the policy: no features kept
     for prompt, (tokens, _) in zip(prompts, results):
         assert tokens == expected(target, prompt)
     # Each was admitted drafting and kept drafting (whether a round drafts is the choice's, round by round).
@@ -306,18 +269,22 @@ def test_a_lone_request_of_a_drafter_without_features_is_not_given_up(tmp_path, 
     assert registry.get_sample_value("treeserve_verifier_drafting_stopped_total") == 0
 
 
+class AdmitsEveryone(AdaptiveSpeculation):
+    """Adaptive speculation that admits every request drafting, wherever it has given drafting up."""
+
+    def admits_drafting(self, batch, features):
+        return True
+
+
 def test_where_drafting_has_stopped_paying_running_requests_stop_drafting(tmp_path, target):
     """Requests admitted drafting, in a batch where adaptive speculation has given drafting up, decode plainly
     from the next round on, but for the newest one (the batch's canary), and every request streams the target's
     own tokens."""
-    from treeserve.verifier.adaptive import AdaptiveSpeculation
-
     prompts = repetitive_prompts(4, seed=5)
 
     async def main():
-        adaptive = AdaptiveSpeculation()
-        adaptive.speculates_new_request = lambda batch: True  # all four are admitted drafting
-        drafter, service, scheduler, task = await start_given_up_verifier(tmp_path, target, adaptive)
+        drafter, service, scheduler, task = await start_adaptive_verifier(
+            tmp_path, target, AdmitsEveryone(give_up_after_s=0.0))
         async with grpc.aio.insecure_channel(service.address) as channel:
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
             results = await asyncio.gather(*(collect(stub, request(prompt)) for prompt in prompts))
@@ -348,8 +315,6 @@ class StallingDrafter(DrafterServicer):
 def test_a_stalled_drafter_does_not_price_the_rounds_verification(tmp_path, target):
     """A drafter that stops answering holds its round up until the link's timeout; adaptive speculation learns the
     round's verification from what the round spent besides that wait, and the request gets the target's tokens."""
-    from treeserve.verifier.adaptive import AdaptiveSpeculation
-
     prompt = repetitive_prompts(1, seed=8)[0]
     timeout_s = 0.3
 
@@ -359,9 +324,10 @@ def test_a_stalled_drafter_does_not_price_the_rounds_verification(tmp_path, targ
         links = [DrafterLink(drafter.address, timeout_s)]
         servicer = VerifierServicer("tiny", links, default_budget=8, default_max_new_tokens=16, max_batch=8)
         service = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
-        adaptive, learnt = AdaptiveSpeculation(), []  # every verification cost it is taught
-        observe = adaptive.observe_verify
-        adaptive.observe_verify = lambda batch, nodes, seconds: (learnt.append(seconds), observe(batch, nodes, seconds))
+        adaptive, learnt = AdaptiveSpeculation(), []  # every verification cost its cost model is taught
+        observe = adaptive.costs.observe_verify
+        adaptive.costs.observe_verify = lambda batch, nodes, seconds: (learnt.append(seconds),
+                                                                       observe(batch, nodes, seconds))
         scheduler = servicer.attach(target, build_verifier(target.model, 8, False, 0, block_size=4), adaptive)
         task = asyncio.ensure_future(scheduler.run())
         await scheduler.connect(links[0])

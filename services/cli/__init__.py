@@ -255,7 +255,7 @@ def stream_text(generation) -> None:
     """Run the generation to the end, printing text as it settles."""
     from treeserve.detokenize import TextStream
 
-    stream = TextStream(generation.tokenizer, generation.stop_ids, generation.params.stop_strings)
+    stream = TextStream(generation.tokenizer, generation.stops.ids, generation.params.stop_strings)
     while not generation.finished:
         committed = generation.step()
         sys.stdout.write(stream.push(committed, final=generation.finished))
@@ -329,7 +329,7 @@ def generate_on_rank(args, shard) -> int:
                                            max_tree=budget + 1)
         generation = Generation(target.model, tokenizer, prompt_ids, params, drafter, budget, verifier=verifier)
         if verifier.use_graphs:
-            verifier.capture(generation.feature_layer_ids)
+            verifier.capture(generation.features.layer_ids)
         if args.json:
             while not generation.finished:
                 generation.step()

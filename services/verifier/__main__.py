@@ -60,7 +60,7 @@ async def serve(args, shard=None, followers=()) -> None:
     adaptive = None
     if args.speculation == "adaptive":
         adaptive = AdaptiveSpeculation(args.adaptive_min_budget, args.adaptive_max_budget)
-    scheduler = servicer.attach(target, verifier, adaptive, compute)
+    scheduler = servicer.attach(target, verifier, adaptive, compute)  # (None: fixed speculation)
     if args.device == "cpu":  # the event loop's own torch work (picks, KV moves) is small: one thread, no team
         use_intra_op_threads(1)
     # A lost tensor-parallel rank: the scheduler has failed every stream; stop as on SIGTERM.
@@ -75,7 +75,7 @@ async def serve(args, shard=None, followers=()) -> None:
         await on_compute(verifier.capture, scheduler.feature_layer_ids)
         if adaptive is not None:  # what each tree size adds, known from the start
             for (batch, rows), seconds in (await on_compute(verifier.time_graphs)).items():
-                adaptive.observe_graph(batch, rows, seconds)
+                adaptive.costs.observe_graph(batch, rows, seconds)
     scheduler_task = asyncio.ensure_future(scheduler.run())
     await service.ready()
     log.info("verifier ready: %s on %s, drafters: %s", args.target, args.device,

@@ -1,39 +1,25 @@
 """Adaptive speculation: each round, the tree budget that maximises expected tokens per second.
 
 A round costs the drafter's round trip (nothing when no request drafts) plus one verification with the host's work
-around it, whose cost depends on the batch and on the largest tree in it (the padded bucket it runs in). A request
-emits, in expectation, 1 + s * log2(1 + b) tokens with a budget of b: one bonus token always, plus accepted drafts
-that grow about logarithmically with the tree (each doubling of a best-first tree adds roughly the same depth), and
-at most b + 1. The slope s is learnt per request as a ratio of decaying sums (tokens accepted beyond the bonus one,
-over log2(1 + b)), shrunk towards the same ratio over all requests: acceptance comes in bursts (a stretch that
-copies the prompt, then misses), and an average of per-round slopes swings with each burst where a ratio of sums
-does not. In plain rounds a request's own sums age (PLAIN_AGING), so that a few misses are forgotten by the next
-time a plain decision is worked out, and the request is judged by the all-request slope again. Costs are learnt
-per (batch bucket, tree bucket) from the rounds themselves (the median of the last few). Plain rounds are measured
-first at each batch bucket: they are the yardstick. Until a tree bucket has a few, its cost is the nearest settled
-bucket's plus the difference between their CUDA graphs, timed at start-up; without graph timings it costs at most
-what the nearest smaller one measured, so a larger tree is tried before it is judged.
+around it, whose cost depends on the batch and on the largest tree in it (the padded bucket it runs in): the
+`CostModel`, learnt from the rounds. A request emits, in expectation, 1 + s * log2(1 + b) tokens with a budget of
+b: one bonus token always, plus accepted drafts that grow about logarithmically with the tree (each doubling of a
+best-first tree adds roughly the same depth), and at most b + 1. The `AcceptanceModel` learns each request's slope s
+from what its trees accepted.
 
-So the choice is one budget T for the round (0: plain decoding, no drafter call): each speculating request drafts
-min(T, its own budget), and
+The choice (`AdaptiveSpeculation`) is one budget T for the round (0: plain decoding, no drafter call): each
+speculating request drafts min(T, its own budget), and
 
     T = argmax  (batch + c(batch) * sum_i (E_i(min(T, budget_i)) - 1))
                 / (draft_time(batch, T) + verify_time(batch, T + 1 nodes)),
 
-plain decoding (T = 0) kept unless the best tree promises MARGIN times its tokens a second.
-
-c(batch) checks the model against what speculative rounds at that batch bucket really drafted: their realized
-drafted tokens over the model's expected ones (decaying sums), 1 until a few rounds are seen. The slopes alone
-read high where acceptance shifts along requests and where rounds are chosen on a good estimate: on the H200,
-sampled n-gram drafts made a new request expect 4.3 tokens a round from the all-request slope (a request's first
-rounds copy from its prompt and accept well) where it had about 1.5, and rounds speculated and lost.
+plain decoding (T = 0) kept unless the best tree promises MARGIN times its tokens a second. c(batch) scales the
+acceptance model by what speculative rounds at that batch bucket really drafted over what it expected of them.
 
 Plain decoding stays a candidate in every round, so where verification turns compute-bound (large batches),
-speculation switches itself off rather than costing throughput. Where a request that could draft still costs more
-than a plain one in a plain round (a DFlash request keeps its target features for the drafter), and drafting would
-not have paid for a while even were every request drafting, new requests decode plainly, and so do the running
-ones from then on, but for a few that keep drafting so that it is tried again (`speculates_new_request`,
-`drafting_kept`; for a drafter without features, not at one request: `gave_up`).
+speculation switches itself off rather than costing throughput. Since acceptance is learnt only from trees, a tree
+is tried again now and then (`Exploration`). Where drafting has not paid for a while even were every request
+drafting, new requests decode plainly and running ones stop drafting, but for a few that keep it tried (`GiveUp`).
 """
 
 from __future__ import annotations
@@ -45,6 +31,7 @@ import statistics
 
 from treeserve.tree import MAX_BUDGET
 from treeserve.verifier.graphs import TREE_BUCKETS
+from treeserve.verifier.round import Choice, RoundReport
 
 log = logging.getLogger("treeserve.verifier")
 
@@ -133,85 +120,18 @@ def tree_bucket(nodes: int) -> int:
     return TREE_BUCKET_OF[nodes]
 
 
-class AdaptiveSpeculation:
-    """min_budget..max_budget: the bounds of the round budget (min_budget 0 allows plain decoding)."""
+class CostModel:
+    """What a round costs per (batch bucket, tree bucket), learnt from the rounds themselves (the median of the last
+    few). Plain rounds are measured first at each batch bucket: they are the yardstick. Until a tree bucket has a
+    few rounds, its cost is the nearest settled bucket's plus the difference between their CUDA graphs, timed at
+    start-up; without graph timings, at most what the nearest smaller bucket measured, so that a larger tree is
+    tried before it is judged."""
 
-    # A request's own observations are shrunk towards the slope over all requests by this much log-budget (about
-    # one round at budget 16), so that its first round or two do not decide alone.
-    PRIOR_WEIGHT = 4.0
-    # Exploration backs off to at most this many plain rounds between tries, while tries keep failing.
-    EXPLORE_AT_MOST = 1024
-    # And a try waits until it costs at most this share of the plain rounds' time since the last one. A DFlash
-    # try at 64 requests on the H200 cost 230-300 ms more than a plain round (the drafter catches up every
-    # request's features), and the 1-3 tries a 5-second run made by round count alone cost it 5-15 %.
-    EXPLORE_SHARE = 0.02
-    # Once the rounds at a batch bucket have been plain for this long since drafting last paid there (the choice
-    # would not speculate even were every request drafting), new requests there decode plainly but for one in
-    # CANARY_EVERY, which keeps drafting so that speculation is tried again; running requests stop drafting but
-    # for the newest one in CANARY_EVERY (`drafting_kept`). A request that drafts costs even in
-    # plain rounds: on the H200 at 64 requests, a DFlash request's kept features made plain rounds 1-1.5 ms
-    # dearer, and that drafter never paid (docs/benchmarks.md). After 2 s, the DFlash stacks on the H200 never
-    # gave up at 4 requests on code: two runs there held about 2 s of rounds at that bucket, and lost 3-8 %.
-    GIVE_UP_AFTER_S, CANARY_EVERY = 1.0, 16
-    # A plain decision stands for up to this many more rounds of the same batch: plain rounds observe no
-    # acceptance, so the choice's inputs move only as the evidence ages (PLAIN_AGING), and working it out (tens of
-    # microseconds to a tenth of a millisecond on the CPU machine) was a visible part of a SmolLM2 round at one
-    # request.
-    REUSE_PLAIN = 8
-    # A tree must promise this much more than plain decoding to be chosen (and for drafting to count as paying).
-    # The choice takes the best of noisy estimates, so the chosen tree's is the likeliest to read high: on the H200
-    # at 16-64 requests, the trees chosen emitted 1-12 % fewer tokens a second than expected, and a round of trees
-    # also costs what no estimate here holds (the drafter's catch-up, trees in rounds with prompts). Near break-even
-    # speculating risks that and gains nothing; at one request the gains chosen were 50-90 %.
-    MARGIN = 1.05
-    # In each plain round, a speculating request's own acceptance evidence counts this much less: by the time a
-    # plain decision is worked out again (REUSE_PLAIN rounds on), a request that has just missed is back at about
-    # the all-request slope, and is tried again where that pays. Acceptance comes in runs (n-gram drafts on code:
-    # a stretch copied from the prompt accepts 10 tokens a round, most other rounds nothing), and a request that
-    # has just missed a few times says little about the stretch it will be in a few rounds on.
-    # Replayed on the one-request code cell's real acceptance with the H200's costs, a lone request's trees went
-    # from 1.18-1.20x plain decoding without it to 1.33-1.35x, and the 4-64 request replays gained or held
-    # (docs/benchmarks.md, "One request, replayed").
-    PLAIN_AGING = 0.5
-
-    def __init__(self, min_budget: int = 0, max_budget: int = MAX_BUDGET, prior_slope: float = 0.5,
-                 decay: float = 0.05, explore_every: int = 32):
-        if not 0 <= min_budget <= max_budget <= MAX_BUDGET:
-            raise ValueError(f"adaptive budget bounds must satisfy 0 <= min <= max <= {MAX_BUDGET}, got "
-                             f"{min_budget}..{max_budget}")
-        self.min_budget, self.max_budget, self.decay = min_budget, max_budget, decay
+    def __init__(self):
         # batch bucket -> tree bucket -> seconds
         self.verify_s: dict[int, dict[int, RecentCost]] = {}
         self.draft_s: dict[int, dict[int, RecentCost]] = {}
         self.graph_s: dict[int, dict[int, float]] = {}  # each captured graph's replay alone, timed at start-up
-        self.slopes: dict[str, DecayingRatio] = {}  # accepted tokens per log2(1 + budget)
-        self.calibration: dict[int, Calibration] = {}  # batch bucket -> its speculative rounds' record
-        # (batch bucket, expected drafted tokens) of a speculative round chosen last, until observe_round
-        self.pending: tuple[int, float] | None = None
-        self.overall_slope = DecayingRatio(decay)
-        self.prior_slope = prior_slope
-        self.last_choice = 0
-        # (tokens, seconds) the last choice expected of its round; None where it had no estimate to go by
-        self.expected: tuple[float, float] | None = None
-        # After `explore_interval` plain rounds in a row (and EXPLORE_SHARE), one round speculates anyway:
-        # acceptance is only learnt from trees, and it changes along a request (a repetitive stretch, a new
-        # topic). A try that does not win speculation back doubles the interval, so a drafter that never pays
-        # (its catch-up drafts are the dearest rounds) costs ever less; a round that speculates on its merits
-        # resets it.
-        self.explore_every, self.explore_interval, self.plain_rounds = explore_every, explore_every, 0
-        self.plain_seconds = 0.0  # the plain rounds' estimated time since the last speculative round
-        self.try_extra_s = 0.0  # what a try would cost beyond a plain round, as last worked out
-        self.plain_signature: tuple | None = None  # (batch, speculating requests, largest budget) of a plain choice
-        self.plain_round_s = 0.0  # the estimated plain round of that choice
-        self.reused = 0
-        self.unpaid_s: dict[int, float] = {}  # batch bucket -> plain rounds' time since drafting last paid there
-        self.plain_admissions = 0  # new requests told to decode plainly: every CANARY_EVERY-th drafts anyway
-        # Whether a request that could draft costs more than a plain one in a plain round (its drafter conditions
-        # on target features, which it keeps); the scheduler sets it from its drafters. Where it does not (n-gram
-        # lookup, a draft model), drafting is not given up for a lone request (`gave_up`).
-        self.drafting_costs_in_plain_rounds = True
-
-    # ------------------------------------------------------------------------------------------- observations
 
     @staticmethod
     def _add(table: dict, batch: int, nodes: int, seconds: float) -> None:
@@ -231,46 +151,19 @@ class AdaptiveSpeculation:
         """A drafter round trip for `batch` requests at round budget `budget`."""
         self._add(self.draft_s, batch, budget + 1, seconds)
 
-    def observe_acceptance(self, request_id: str, budget: int, tokens: int) -> None:
-        """A round of this request with a tree of `budget` drafted nodes emitted `tokens` tokens."""
-        if budget < 1:
-            return
-        accepted, log_budget = max(0, tokens - 1), math.log2(1 + budget)
-        self.slopes.setdefault(request_id, DecayingRatio(self.decay)).add(accepted, log_budget)
-        self.overall_slope.add(accepted, log_budget)
-
-    def observe_round(self, requests: int, tokens: int, drafted: bool = True) -> tuple[int, float] | None:
-        """The round chosen last emitted `tokens` for its `requests` (prefilled and new): a speculative round's
-        realized drafted tokens are checked against the model's expected ones, unless no tree reached the
-        round (`drafted` False: a drafter that was down says nothing of what trees earn). Returns the batch
-        bucket and its realized over expected factor now; None when nothing was checked."""
-        pending, self.pending = self.pending, None
-        if pending is None or not drafted:
+    def round_seconds(self, batch: int, budget: int) -> float | None:
+        """Estimated time of one round of `batch` requests at round budget `budget`; None when unknown."""
+        batch = batch_bucket(batch)
+        verify = self._verify_estimate(batch, tree_bucket(budget + 1))
+        if verify is None:
             return None
-        batch, expected = pending
-        record = self.calibration.setdefault(batch, Calibration())
-        record.add(max(0, tokens - requests), expected)
-        return batch, record.factor
+        if budget == 0:
+            return verify
+        return verify + self._draft_estimate(batch, tree_bucket(budget + 1))
 
-    def calibration_factor(self, batch: int) -> float:
-        """Realized over expected drafted tokens of speculative rounds at this batch's bucket (1 when unknown)."""
-        record = self.calibration.get(batch_bucket(batch))
-        return record.factor if record is not None else 1.0
-
-    def forget(self, request_id: str) -> None:
-        self.slopes.pop(request_id, None)
-
-    # ---------------------------------------------------------------------------------------------- estimates
-
-    def slope(self, request_id: str, overall: float | None = None) -> float:
-        """The request's slope (`overall`: the all-request slope, when the caller has it already)."""
-        if overall is None:
-            overall = self.overall_slope.value(self.prior_slope, self.PRIOR_WEIGHT)
-        own = self.slopes.get(request_id)
-        return own.value(overall, self.PRIOR_WEIGHT) if own is not None else overall
-
-    def expected_tokens(self, request_id: str, budget: int) -> float:
-        return tokens_per_round(self.slope(request_id), budget)
+    def plain_settled(self, batch: int) -> bool:
+        plain = self.verify_s.get(batch_bucket(batch), {}).get(tree_bucket(1))
+        return plain is not None and plain.settled
 
     @staticmethod
     def _estimate(table: dict, batch: int, bucket: int) -> float | None:
@@ -292,20 +185,10 @@ class AdaptiveSpeculation:
         larger = min((size for size in row if size > bucket), default=None)
         return row[larger].value if larger is not None else None
 
-    def round_seconds(self, batch: int, budget: int) -> float | None:
-        """Estimated time of one round of `batch` requests at round budget `budget`; None when unknown."""
-        batch = batch_bucket(batch)
-        verify = self._verify_estimate(batch, tree_bucket(budget + 1))
-        if verify is None:
-            return None
-        if budget == 0:
-            return verify
-        return verify + self._draft_estimate(batch, tree_bucket(budget + 1))
-
     def _verify_estimate(self, batch: int, bucket: int) -> float | None:
         """A verification's cost at this batch and tree bucket: its own rounds once settled. Before that, with
         start-up graph timings, the nearest settled bucket's rounds plus the graphs' difference: a graph's replay
-        alone (a fraction of a round at SmolLM2's size) would make every unsettled tree look almost free. That
+        alone (a fraction of a round for a small target) would make every unsettled tree look almost free. That
         leaves out what larger trees add to the host's work, so it errs low, and a tree is tried before it is
         judged. Without graph timings, the optimistic `_estimate`."""
         row, graphs = self.verify_s.get(batch, {}), self.graph_s.get(batch, {})
@@ -320,11 +203,9 @@ class AdaptiveSpeculation:
     def _draft_estimate(self, batch: int, bucket: int) -> float:
         """The drafter's cost for this batch and tree bucket. A batch size whose drafts were never timed takes
         the figure of the nearest batch size that was (the smaller on a tie), not zero: the batch changes as
-        requests come and go, and a draft assumed free made each new batch size try trees whatever they cost (a
-        DFlash draft at 64 requests on the H200: 20-80 ms). A smaller batch's figure is scaled up to this one:
-        a try after plain rounds sends every request's context since its last draft, and that grows with the
-        batch (on the H200, a DFlash try at 64 requests priced at one request's 12 ms cost 430 ms). Zero only
-        before any draft was timed."""
+        requests come and go, and a draft assumed free would make each new batch size try trees whatever they
+        cost. A smaller batch's figure is scaled up to this one: a try after plain rounds sends every request's
+        context since its last draft, which grows with the batch. Zero only before any draft was timed."""
         own = self._estimate(self.draft_s, batch, bucket)
         if own is not None:
             return own
@@ -332,130 +213,279 @@ class AdaptiveSpeculation:
         return next((cost * max(1.0, batch / size) for size in others
                      if (cost := self._estimate(self.draft_s, size, bucket)) is not None), 0.0)
 
-    def _note_unpaid(self, batch: int, seconds: float | None) -> None:
+
+class AcceptanceModel:
+    """Each request's slope (accepted tokens per log2(1 + budget)) as a ratio of decaying sums, shrunk towards the
+    same ratio over all requests: acceptance comes in bursts (a stretch that copies the prompt, then misses), and an
+    average of per-round slopes swings with each burst where a ratio of sums does not. And, per batch bucket, what
+    speculative rounds really drafted over what the model expected of them (`calibration_factor`): per-request
+    slopes read high where acceptance shifts along requests, and where rounds are chosen on a good estimate."""
+
+    # A request's own observations are shrunk towards the slope over all requests by this much log-budget (about
+    # one round at budget 16), so that its first round or two do not decide alone.
+    PRIOR_WEIGHT = 4.0
+
+    def __init__(self, prior_slope: float = 0.5, decay: float = 0.05):
+        self.prior_slope, self.decay = prior_slope, decay
+        self.slopes: dict[str, DecayingRatio] = {}
+        self.overall = DecayingRatio(decay)
+        self.calibration: dict[int, Calibration] = {}  # batch bucket -> its speculative rounds' record
+
+    def observe(self, request_id: str, budget: int, tokens: int) -> None:
+        """A round of this request with a tree of `budget` drafted nodes emitted `tokens` tokens."""
+        if budget < 1:
+            return
+        accepted, log_budget = max(0, tokens - 1), math.log2(1 + budget)
+        self.slopes.setdefault(request_id, DecayingRatio(self.decay)).add(accepted, log_budget)
+        self.overall.add(accepted, log_budget)
+
+    def age(self, request_ids, share: float) -> None:
+        """These requests' own evidence counts `share` less (a plain round, which observes no acceptance)."""
+        for request_id in request_ids:
+            own = self.slopes.get(request_id)
+            if own is not None:
+                own.age(share)
+
+    def forget(self, request_id: str) -> None:
+        self.slopes.pop(request_id, None)
+
+    def overall_slope(self) -> float:
+        return self.overall.value(self.prior_slope, self.PRIOR_WEIGHT)
+
+    def slope(self, request_id: str, overall: float | None = None) -> float:
+        """The request's slope (`overall`: the all-request slope, when the caller has it already)."""
+        if overall is None:
+            overall = self.overall_slope()
+        own = self.slopes.get(request_id)
+        return own.value(overall, self.PRIOR_WEIGHT) if own is not None else overall
+
+    def expected_tokens(self, request_id: str, budget: int) -> float:
+        return tokens_per_round(self.slope(request_id), budget)
+
+    def calibrate(self, batch: int, realized: float, expected: float) -> float:
+        """A speculative round at this batch drafted `realized` tokens beyond one a request where `expected`
+        were; returns the batch bucket's factor now."""
+        record = self.calibration.setdefault(batch_bucket(batch), Calibration())
+        record.add(realized, expected)
+        return record.factor
+
+    def calibration_factor(self, batch: int) -> float:
+        """Realized over expected drafted tokens of speculative rounds at this batch's bucket (1 when unknown)."""
+        record = self.calibration.get(batch_bucket(batch))
+        return record.factor if record is not None else 1.0
+
+
+class Exploration:
+    """After a run of plain rounds, one round tries the best tree anyway: acceptance is only learnt from trees, and
+    it changes along a request (a repetitive stretch, a new topic). A try comes after `interval` plain rounds, and
+    once it costs at most SHARE of their time (a try can cost many plain rounds). A try that does not win
+    speculation back doubles the interval, up to AT_MOST, so a drafter that never pays costs ever less; a round
+    that speculates on its merits starts it over."""
+
+    AT_MOST, SHARE = 1024, 0.02
+
+    def __init__(self, every: int):
+        self.every = self.interval = every
+        self.plain_rounds, self.plain_s = 0, 0.0  # since the last speculative round
+        self.try_extra_s = 0.0  # what a try would cost beyond a plain round, as last worked out
+
+    def due(self, rounds: int = 0, seconds: float = 0.0) -> bool:
+        """Whether a try is due, `rounds` more plain rounds of `seconds` on."""
+        return (self.plain_rounds + rounds >= self.interval
+                and (self.plain_s + seconds) * self.SHARE >= self.try_extra_s)
+
+    def plain(self, seconds: float) -> None:
+        self.plain_rounds += 1
+        self.plain_s += seconds
+
+    def paid(self) -> None:
+        """A tree was chosen on its merits."""
+        self.plain_rounds, self.plain_s, self.interval = 0, 0.0, self.every
+
+    def try_now(self, extra_s: float) -> bool:
+        """After a plain choice: whether to try the best tree instead, which costs `extra_s` more."""
+        self.try_extra_s = max(0.0, extra_s)
+        if not self.due():
+            return False
+        self.plain_rounds, self.plain_s = 0, 0.0
+        self.interval = min(2 * self.interval, self.AT_MOST)
+        return True
+
+
+class GiveUp:
+    """Once the rounds at a batch bucket have been plain for `after_s` since drafting last paid there (the choice
+    would not speculate even were every request drafting), new requests there decode plainly but for one in
+    CANARY_EVERY, which keeps drafting so that speculation is tried again; running requests stop drafting but for
+    the newest one in CANARY_EVERY. A request that could draft costs even in plain rounds where the drafters
+    condition on target features (it keeps them). Where they do not (`features` False), a lone request is never
+    given up: that would save no one else's time, only the tries (which Exploration bounds), and take the
+    stretches that pay, which come in bursts within a request."""
+
+    CANARY_EVERY = 16
+
+    def __init__(self, after_s: float):
+        self.after_s = after_s
+        self.unpaid_s: dict[int, float] = {}  # batch bucket -> plain rounds' time since drafting last paid there
+        self.plain_admissions = 0  # new requests told to decode plainly: every CANARY_EVERY-th drafts anyway
+
+    def note(self, batch: int, seconds: float | None) -> None:
         """Add `seconds` of rounds in which drafting would not have paid at this batch's bucket (None: it would,
         and the count starts over)."""
         bucket = batch_bucket(batch)
         before = self.unpaid_s.get(bucket, 0.0)
         self.unpaid_s[bucket] = 0.0 if seconds is None else before + seconds
-        if before < self.GIVE_UP_AFTER_S <= self.unpaid_s[bucket] and self.gave_up(bucket):
+        if before < self.after_s <= self.unpaid_s[bucket]:
             log.info("adaptive: drafting has not paid at batches of up to %d requests for %.1f s of rounds; new "
                      "requests there decode plainly, but for one in %d", bucket, self.unpaid_s[bucket],
                      self.CANARY_EVERY)
 
-    def _try_due(self, plain_rounds: int, plain_seconds: float) -> bool:
-        """Whether plain rounds have gone on long enough for a speculative try: explore_interval of them, and
-        enough of their time that the try costs at most EXPLORE_SHARE of it."""
-        return plain_rounds >= self.explore_interval and plain_seconds * self.EXPLORE_SHARE >= self.try_extra_s
-
-    def gave_up(self, batch: int) -> bool:
-        """Whether rounds at this batch's bucket have been plain for GIVE_UP_AFTER_S since drafting last paid.
-
-        Never for a lone request whose drafting costs nothing in plain rounds: there giving up saves no one else's
-        time, only the tries (which EXPLORE_SHARE bounds), and it takes the stretches that pay, which come in bursts
-        within a request. On the H200, one request at a time on code, the n-gram stack gave up within a second,
-        then drafted one request in CANARY_EVERY: 0.97x and 1.07x plain decoding in two runs, 1.19x not giving up
-        there (docs/benchmarks.md). From two requests up giving up also stops trees the choice misjudges (their
-        costs, learnt from few rounds, read low: never giving up, n-gram tree rounds at 64 requests took 14-22 ms
-        where 11-16 were expected)."""
+    def gave_up(self, batch: int, features: bool) -> bool:
         bucket = batch_bucket(batch)
-        if bucket == 1 and not self.drafting_costs_in_plain_rounds:
+        if bucket == 1 and not features:
             return False
-        return self.unpaid_s.get(bucket, 0.0) >= self.GIVE_UP_AFTER_S
+        return self.unpaid_s.get(bucket, 0.0) >= self.after_s
 
-    def speculates_new_request(self, batch: int) -> bool:
-        """Whether a new request that asks for trees, joining a batch of `batch`, should draft: not where drafting
-        has been given up at that batch bucket, but for one request in CANARY_EVERY."""
-        if not self.gave_up(batch):
+    def admits_drafting(self, batch: int, features: bool) -> bool:
+        if not self.gave_up(batch, features):
             return True
         self.plain_admissions += 1
         return self.plain_admissions % self.CANARY_EVERY == 0
 
-    def drafting_kept(self, batch: int) -> int | None:
-        """How many of a batch's requests may go on drafting: all (None), unless drafting has been given up at its
-        bucket; then one in CANARY_EVERY, at least one, as new requests are admitted."""
-        return max(1, batch // self.CANARY_EVERY) if self.gave_up(batch) else None
+    def drafting_kept(self, batch: int, features: bool) -> int | None:
+        return max(1, batch // self.CANARY_EVERY) if self.gave_up(batch, features) else None
 
-    def _plain_settled(self, batch: int) -> bool:
-        plain = self.verify_s.get(batch_bucket(batch), {}).get(tree_bucket(1))
-        return plain is not None and plain.settled
 
-    # --------------------------------------------------------------------------------------------------- choice
+class AdaptiveSpeculation:
+    """The choice of each round's budget, a `treeserve.verifier.round.Speculation`. min_budget..max_budget: the
+    bounds of the round budget (min_budget 0 allows plain decoding)."""
 
-    def choose(self, budgets: dict[str, int], batch: int) -> int:
-        """The round budget for the speculating requests (`budgets`: request id -> its own budget) in a batch of
-        `batch` requests (the rest decode plainly: one token each)."""
-        chosen = self._choose(budgets, batch)
-        if chosen == 0:  # a plain round: what the requests' trees did ages (PLAIN_AGING)
-            for request_id in budgets:
-                own = self.slopes.get(request_id)
-                if own is not None:
-                    own.age(self.PLAIN_AGING)
-        return chosen
+    # A plain decision stands for up to this many more rounds of the same batch: plain rounds observe no
+    # acceptance, so the choice's inputs move only as the evidence ages (PLAIN_AGING), and working it out is a
+    # visible part of a small target's round.
+    REUSE_PLAIN = 8
+    # A tree must promise this much more than plain decoding to be chosen (and for drafting to count as paying):
+    # the choice takes the best of noisy estimates, so the chosen tree's is the likeliest to read high, and a round
+    # of trees also costs what no estimate here holds (a drafter's catch-up, trees in rounds with prompts).
+    MARGIN = 1.05
+    # In each plain round, a speculating request's own acceptance evidence counts this much less: by the time a
+    # plain decision is worked out again (REUSE_PLAIN rounds on), a request that has just missed is back at about
+    # the all-request slope, and is tried again where that pays. A request that has just missed a few times says
+    # little about the stretch it will be in a few rounds on.
+    PLAIN_AGING = 0.5
 
-    def _choose(self, budgets: dict[str, int], batch: int) -> int:
-        self.pending, self.expected = None, None
-        if not budgets:
-            return 0
-        most = min(self.max_budget, max(budgets.values()))
-        signature = (batch, len(budgets), most)
+    def __init__(self, min_budget: int = 0, max_budget: int = MAX_BUDGET, prior_slope: float = 0.5,
+                 decay: float = 0.05, explore_every: int = 32, give_up_after_s: float = 1.0):
+        if not 0 <= min_budget <= max_budget <= MAX_BUDGET:
+            raise ValueError(f"adaptive budget bounds must satisfy 0 <= min <= max <= {MAX_BUDGET}, got "
+                             f"{min_budget}..{max_budget}")
+        self.min_budget, self.max_budget = min_budget, max_budget
+        self.costs = CostModel()
+        self.acceptance = AcceptanceModel(prior_slope, decay)
+        self.exploration = Exploration(explore_every)
+        self.give_up = GiveUp(give_up_after_s)
+        self.plain_signature: tuple | None = None  # (batch, speculating requests, largest budget) of a plain choice
+        self.plain_round_s = 0.0  # the estimated plain round of that choice
+        self.reused = 0
+
+    # ----------------------------------------------------------------------------------- the policy interface
+
+    def round_budgets(self, asked: dict[str, int], batch: int) -> tuple[dict[str, int], Choice | None]:
+        if not asked:
+            return {}, None
+        choice = self.choose(asked, batch)
+        return {request_id: min(choice.budget, own) for request_id, own in asked.items() if choice.budget > 0}, choice
+
+    def observe(self, report: RoundReport) -> tuple[int, float] | None:
+        """Learn from a round: its trees' acceptance, its drafters' and its verification's costs, and what its
+        trees drafted beside what the choice expected. Returns (batch bucket, realized over expected drafted
+        tokens) when that was checked."""
+        for request in report.requests:
+            self.acceptance.observe(request.request_id, request.tree_nodes, request.committed)
+        trips = [found.round_trip_s for found in report.drafts if found.trees]
+        if report.budgets and trips:
+            self.costs.observe_draft(report.batch, max(report.budgets.values()), max(trips))
+        if report.forward_batch and not report.with_prompts:
+            # The whole round less its wait on drafters: everything a tree adds to the host's work (plans,
+            # staging, the acceptance walk, the messages) as well as the forward. A drafter that failed is waited
+            # on apart, so its stall does not price this round's verification.
+            self.costs.observe_verify(report.forward_batch, report.largest_tree, report.seconds - report.drafters_s)
+        choice = report.choice
+        if choice is None or choice.expected_drafted is None or not report.drafted:
+            return None
+        realized = max(0, report.tokens - len(report.requests))
+        return batch_bucket(report.batch), self.acceptance.calibrate(report.batch, realized, choice.expected_drafted)
+
+    def admits_drafting(self, batch: int, features: bool) -> bool:
+        return self.give_up.admits_drafting(batch, features)
+
+    def drafting_kept(self, batch: int, features: bool) -> int | None:
+        return self.give_up.drafting_kept(batch, features)
+
+    def forget(self, request_id: str) -> None:
+        self.acceptance.forget(request_id)
+
+    # --------------------------------------------------------------------------------------------- the choice
+
+    def choose(self, asked: dict[str, int], batch: int) -> Choice:
+        """The round budget for the speculating requests (`asked`: request id -> its own budget, not empty) in a
+        batch of `batch` requests (the rest decode plainly: one token each)."""
+        choice = self._choose(asked, batch)
+        if choice.budget == 0:  # a plain round: what the requests' trees did ages
+            self.acceptance.age(asked, self.PLAIN_AGING)
+        return choice
+
+    def _choose(self, asked: dict[str, int], batch: int) -> Choice:
+        most = min(self.max_budget, max(asked.values()))
+        signature = (batch, len(asked), most)
         if (signature == self.plain_signature and self.reused < self.REUSE_PLAIN
-                and not self._try_due(self.plain_rounds + 1, self.plain_seconds + self.plain_round_s)):
+                and not self.exploration.due(1, self.plain_round_s)):
             self.reused += 1  # (never in place of a try)
-            self.plain_rounds += 1
-            self.plain_seconds += self.plain_round_s
-            self.expected = (float(batch), self.plain_round_s)
-            return 0
+            self.exploration.plain(self.plain_round_s)
+            return Choice(0, (float(batch), self.plain_round_s))
         reused, self.plain_signature, self.reused = self.reused, None, 0
         candidates = [step for step in (0,) + BUDGET_STEPS if self.min_budget <= step <= most]
         if not candidates:
             candidates = [min(self.min_budget, most)]
-        if 0 in candidates and not self._plain_settled(batch):
+        if 0 in candidates and not self.costs.plain_settled(batch):
             # Plain rounds are what trees are judged against: measured first. Priced by a tree's cost instead, as
             # an unmeasured bucket with only larger ones measured is, plain decoding could never win a round.
-            self.last_choice = 0
-            return 0
-        overall = self.overall_slope.value(self.prior_slope, self.PRIOR_WEIGHT)
-        slopes = [(self.slope(request_id, overall), own) for request_id, own in budgets.items()]
-        rates, seconds, drafted, factor = {}, {}, {}, self.calibration_factor(batch)
+            return Choice(0)
+        overall = self.acceptance.overall_slope()
+        slopes = [(self.acceptance.slope(request_id, overall), own) for request_id, own in asked.items()]
+        rates, seconds, drafted, factor = {}, {}, {}, self.acceptance.calibration_factor(batch)
         for step in candidates:
-            seconds[step] = self.round_seconds(batch, step)
+            seconds[step] = self.costs.round_seconds(batch, step)
             if seconds[step] is None:  # nothing measured at this batch size yet: speculate as asked, and learn
-                self.last_choice = most
-                return most
+                return Choice(most)
             drafted[step] = sum(tokens_per_round(slope, min(step, own)) - 1 for slope, own in slopes) if step else 0.0
-            tokens = batch + factor * drafted[step]
-            rates[step] = tokens / max(seconds[step], 1e-9)
+            rates[step] = (batch + factor * drafted[step]) / max(seconds[step], 1e-9)
         best = max(rates, key=lambda step: (rates[step], -step))  # ties: the smaller tree
         if 0 in rates:
             if rates[best] < self.MARGIN * rates[0]:
                 best = 0
             # Would drafting pay were every request drafting, as the drafting ones do?
-            everyone = batch / len(budgets)
+            everyone = batch / len(asked)
             pays = any((batch + factor * drafted[step] * everyone) / seconds[step] > self.MARGIN * rates[0]
                        for step in rates if step > 0)
-            self._note_unpaid(batch, None if pays else seconds[0] * (1 + reused))
+            self.give_up.note(batch, None if pays else seconds[0] * (1 + reused))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("adaptive: batch %d, mean slope %.2f, realized over expected drafts %.2f, expected tokens/s "
                       "by budget %s", batch, statistics.fmean(slope for slope, _ in slopes), factor,
                       {step: round(rate, 1) for step, rate in rates.items()})
-        if best > 0:
-            self.plain_rounds, self.plain_seconds, self.explore_interval = 0, 0.0, self.explore_every
-        else:
-            self.plain_rounds += 1
-            self.plain_seconds += seconds[0]
-            tries = [step for step in rates if step > 0]
-            if tries:
-                trial = max(tries, key=lambda step: rates[step])
-                self.try_extra_s = max(0.0, seconds[trial] - seconds[0])
-                if self._try_due(self.plain_rounds, self.plain_seconds):
-                    best = trial
-                    self.plain_rounds, self.plain_seconds = 0, 0.0
-                    self.explore_interval = min(2 * self.explore_interval, self.EXPLORE_AT_MOST)
+        best = self._explore(best, rates, seconds)
         if best == 0:
             self.plain_signature, self.plain_round_s = signature, seconds[0]
-        else:
-            self.pending = (batch_bucket(batch), drafted[best])
-        self.last_choice = best
-        self.expected = (batch + factor * drafted[best], seconds[best])
-        return best
+        expected = (batch + factor * drafted[best], seconds[best])
+        return Choice(best, expected, drafted[best] if best > 0 else None)
+
+    def _explore(self, best: int, rates: dict[int, float], seconds: dict[int, float]) -> int:
+        """The budget to play: `best`, or after enough plain rounds the best tree, tried."""
+        if best > 0:
+            self.exploration.paid()
+            return best
+        self.exploration.plain(seconds[0])
+        tries = [step for step in rates if step > 0]
+        if not tries:
+            return best
+        trial = max(tries, key=lambda step: rates[step])
+        return trial if self.exploration.try_now(seconds[trial] - seconds[0]) else best

@@ -179,7 +179,7 @@ class DrafterLink:
         waves: list[list[ContextPiece]] = []
         for request_id, generation in requests.items():
             sent = self.sent.get(request_id, 0)
-            features = generation.features_since(max(sent - 1, 0)) if self.feature_layer_ids else None
+            features = generation.features.since(max(sent - 1, 0)) if self.feature_layer_ids else None
             row_bytes = features[:1].numel() * features.element_size() if features is not None else 0
             pieces = split_context(request_id, generation.committed_since(sent), features, sent == 0,
                                    MESSAGE_FEATURE_BYTES // max(row_bytes, 1))

@@ -146,39 +146,74 @@ def _mask(plan: ForwardPlan) -> torch.Tensor:
     return plan.mask if plan.mask is not None else causal_mask(len(plan.tokens))
 
 
+class TargetFeatures:
+    """One request's target hidden states at the layers a drafter conditions on (`layer_ids`): `last`, the rows
+    of the tokens the last forward moved into the KV cache (valid until the next forward), and where a drafter in
+    another process needs them all (`keep`), every row so far in `chunks`, on the host, moved there by a
+    FeatureBacklog: to send on, and to resend a drafter that lost its context."""
+
+    def __init__(self, layer_ids: tuple[int, ...], keep: bool):
+        self.layer_ids, self.keep = layer_ids, keep
+        self.last: Rows | None = None
+        self.chunks: list[torch.Tensor] = []
+
+    def take(self, features: Rows | None, kept: list[int]) -> None:
+        """A forward's rows for this request, of which the KV cache kept `kept` (ascending). Only rows of the
+        forward's output: a FeatureBacklog gathers them with every other request's, without a tensor op per
+        request and round."""
+        if features is None:
+            raise TreeserveError("this generation needs target features, and the forward gave none")
+        if len(kept) == len(features):
+            self.last = features
+        else:
+            contiguous = kept[-1] == len(kept) - 1  # ascending rows: only a prefix ends at its own length - 1
+            self.last = features[:len(kept)] if contiguous else features.select(kept)
+
+    def since(self, start: int) -> torch.Tensor:
+        """Kept rows from row `start` on (row i: the i-th token of the prompt and output)."""
+        chunks, end = [], sum(len(chunk) for chunk in self.chunks)
+        for chunk in reversed(self.chunks):  # usually only the newest chunk or two are needed
+            if end <= start:
+                break
+            chunks.append(chunk[max(0, start - (end - len(chunk))):])
+            end -= len(chunk)
+        if not chunks:
+            width = self.chunks[0].shape[1] if self.chunks else 0
+            return torch.empty(0, width)
+        return torch.cat(chunks[::-1])
+
+
 class FeatureBacklog:
     """The target features of requests that keep them (for a drafter in another process), gathered round by round
     on the device and moved to the host together: when a drafter is about to need them (`flush`), or once
-    FLUSH_ROUNDS rounds or FLUSH_BYTES have piled up. A transfer in every round was a synchronising copy in
-    every round, drafting or not: a likely part of why, on the H200, a DFlash request's plain rounds under
-    adaptive speculation took up to 0.3 ms longer than plain decoding's at one request.
+    FLUSH_ROUNDS rounds or FLUSH_BYTES have piled up. A transfer in every round would be a synchronising copy in
+    every round, drafting or not.
 
     From a GPU, the piled-up rows go to page-locked host memory without the host waiting for them (a pageable
-    copy every 32 rounds waited about 20 ms, 0.6 ms of each 64-request round on the H200 host); `flush` waits.
-    A request's chunks are views of one transfer for many requests, which stays allocated while any of them
-    holds a view: every JOIN_CHUNKS transfers, a request's newest views are joined into a tensor of its own,
-    so a long request does not hold the page-locked memory of every transfer it was in."""
+    copy waits for the device); `flush` waits. A request's chunks are views of one transfer for many requests,
+    which stays allocated while any of them holds a view: every JOIN_CHUNKS transfers, a request's newest views
+    are joined into a tensor of its own, so a long request does not hold the page-locked memory of every
+    transfer it was in."""
 
     FLUSH_ROUNDS, FLUSH_BYTES, JOIN_CHUNKS = 32, 64 << 20, 8
 
     def __init__(self):
         self.copies: list[torch.Tensor] = []  # each round's copied rows, one run of each source's
         self.piled_rows = 0  # rows in `copies`
-        # (generation, its kept rows of one round: a range or a list of row numbers in the piled copies)
-        self.kept: list[tuple["Generation", range | list[int]]] = []
+        # (a request's features, its kept rows of one round: a range or a list of row numbers in the piled copies)
+        self.kept: list[tuple[TargetFeatures, range | list[int]]] = []
         self.rounds = self.bytes = 0
         self.copied: torch.cuda.Event | None = None  # where the last copy to the host ends, while one may run
 
-    def add(self, generations: list["Generation"]) -> None:
-        """This round's `last_features` of these generations, copied (a CUDA graph's outputs are overwritten by
-        its next replay) as one slice of each source holding all of them. Only their rows go to the host
-        (`_to_host`). Gathering them by index instead made an index and page-locked it in every round: 0.25 ms of
-        a 64-request round on the H200 host, where a few requests of the batch kept features (docs/benchmarks.md)."""
-        if not generations:
+    def add(self, requests: list[TargetFeatures]) -> None:
+        """This round's `last` rows of these requests, copied (a CUDA graph's outputs are overwritten by its next
+        replay) as one slice of each source holding all of them. Only their rows go to the host (`_to_host`):
+        gathering them by index here would make an index and page-lock it in every round."""
+        if not requests:
             return
         spans: dict[int, list] = {}  # id(source) -> [source, first row, end row]
-        for generation in generations:
-            rows = generation.last_features
+        for features in requests:
+            rows = features.last
             first, end = (rows.index.start, rows.index.stop) if is_run(rows.index) else (
                 min(rows.index), max(rows.index) + 1)
             span = spans.get(id(rows.source))
@@ -192,44 +227,44 @@ class FeatureBacklog:
             self.copies.append(source[first:end].clone())
             self.piled_rows += end - first
             self.bytes += self.copies[-1].numel() * self.copies[-1].element_size()
-        for generation in generations:
-            rows = generation.last_features
+        for features in requests:
+            rows = features.last
             by = shift[id(rows.source)]
             index = rows.index
-            self.kept.append((generation, range(index.start + by, index.stop + by) if is_run(index)
+            self.kept.append((features, range(index.start + by, index.stop + by) if is_run(index)
                               else [row + by for row in index]))
         self.rounds += 1
         if self.rounds >= self.FLUSH_ROUNDS or self.bytes >= self.FLUSH_BYTES:
             self._to_host()
 
     def flush(self) -> None:
-        """Everything gathered so far onto each generation's `feature_chunks`, on the host when this returns."""
+        """Everything gathered so far onto each request's `chunks`, on the host when this returns."""
         self._to_host()
         if self.copied is not None:
             self.copied.synchronize()
             self.copied = None
 
     def _to_host(self) -> None:
-        """Everything gathered so far onto each generation's `feature_chunks`, in one transfer: one chunk per
-        generation, its rows of every round gathered on the device first (a view per generation and round made
-        2,048 views a transfer at 64 requests). From a GPU, the chunks are readable once `copied` has passed."""
+        """Everything gathered so far onto each request's `chunks`, in one transfer: one chunk per request, its
+        rows of every round gathered on the device first (not a view per request and round). From a GPU, the
+        chunks are readable once `copied` has passed."""
         if not self.kept:
             return
         if self.copied is not None:  # the transfer before (normally long done): its chunks may be joined below
             self.copied.synchronize()
-        ordinal: dict[int, int] = {}  # generation id -> its place among this transfer's generations
-        generations, owners, indexes = [], [], []
-        for generation, index in self.kept:
-            if id(generation) not in ordinal:
-                ordinal[id(generation)] = len(generations)
-                generations.append(generation)
-            owners.append(ordinal[id(generation)])
+        ordinal: dict[int, int] = {}  # id(features) -> their place among this transfer's requests
+        requests, owners, indexes = [], [], []
+        for features, index in self.kept:
+            if id(features) not in ordinal:
+                ordinal[id(features)] = len(requests)
+                requests.append(features)
+            owners.append(ordinal[id(features)])
             indexes.append(index)
         owners = np.asarray(owners)
         counts = np.fromiter(map(len, indexes), dtype=np.int64, count=len(indexes))
-        # Each generation's rows in round order, one generation after another.
+        # Each request's rows in round order, one request after another.
         by_owner = np.argsort(owners, kind="stable")
-        if all(is_run(index) for index in indexes):  # without a NumPy call per round and generation
+        if all(is_run(index) for index in indexes):  # without a NumPy call per round and request
             starts = np.fromiter((index.start for index in indexes), dtype=np.int64, count=len(indexes))
             order = run_index(starts[by_owner], counts[by_owner])
         else:
@@ -243,9 +278,9 @@ class FeatureBacklog:
             self.copied.record()
         else:
             host = grouped
-        totals = np.bincount(owners, weights=counts, minlength=len(generations)).astype(np.int64).tolist()
-        for generation, chunk in zip(generations, host.split(totals)):
-            chunks = generation.feature_chunks
+        totals = np.bincount(owners, weights=counts, minlength=len(requests)).astype(np.int64).tolist()
+        for features, chunk in zip(requests, host.split(totals)):
+            chunks = features.chunks
             owned = next((i for i in range(len(chunks), 0, -1) if chunks[i - 1]._base is None), 0)
             if len(chunks) - owned >= self.JOIN_CHUNKS:  # earlier transfers' views: finished, joined
                 chunks[owned:] = [torch.cat(chunks[owned:])]
@@ -269,7 +304,7 @@ def commit_round(generations: list["Generation"], plans: list[ForwardPlan], logi
         for generation, plan, plan_features, pick in zip(generations, plans, features, picks):
             committed.append(generation.apply(plan, flat[start:start + len(pick)], plan_features))
             start += len(pick)
-    keeping = [generation for generation in generations if generation.keep_features]
+    keeping = [generation.features for generation in generations if generation.features.keep]
     if keeping:
         into = backlog if backlog is not None else FeatureBacklog()
         into.add(keeping)
@@ -281,8 +316,8 @@ def commit_round(generations: list["Generation"], plans: list[ForwardPlan], logi
 def pick_round(generations: list["Generation"], plans: list[ForwardPlan], logits: list[Rows]
                ) -> list[torch.Tensor]:
     """Each generation's picks at its plan's logits rows (on the logits' device), with one set of sampling kernels
-    per sampling setting in the round rather than one per request (at 64 requests, the H200 stack's rounds were
-    about 7 ms longer sampled than greedy while each request was picked alone)."""
+    per sampling setting in the round rather than one per request: kernels launched per request would make a
+    large sampled batch's rounds much longer than a greedy one's."""
     groups: dict[tuple, list[int]] = {}
     for i, generation in enumerate(generations):
         groups.setdefault(sampling_setting(generation.params), []).append(i)
@@ -301,14 +336,48 @@ def pick_round(generations: list["Generation"], plans: list[ForwardPlan], logits
     return picks
 
 
+class Stops:
+    """Where a request's output ends (EOS or a stop token, a stop string, the length limit), and its text
+    without what stopped it."""
+
+    def __init__(self, tokenizer: Tokenizer, params: GenerationParams):
+        self.tokenizer, self.params = tokenizer, params
+        self.ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_ids))
+        self.text_end: int | None = None  # where a matched stop string starts in the decoded text
+
+    def reason(self, output_ids: list[int]) -> str | None:
+        """Why the output ends at its newest token ("stop" or "length"); None: it goes on."""
+        if output_ids[-1] in self.ids or self._stop_string_ended(output_ids):
+            return "stop"
+        return "length" if len(output_ids) >= self.params.max_new_tokens else None
+
+    def _stop_string_ended(self, output_ids: list[int]) -> bool:
+        if not self.params.stop_strings:
+            return False
+        text = self.tokenizer.decode(output_ids)
+        # Only a match that the newest token completed can be new; search a tail long enough to hold one.
+        tail_start = max(0, len(self.tokenizer.decode(output_ids[:-1])) - max(map(len, self.params.stop_strings)))
+        found = [i for s in self.params.stop_strings if (i := text.find(s, tail_start)) >= 0]
+        if found:
+            self.text_end = min(found)
+        return bool(found)
+
+    def text(self, output_ids: list[int], finish_reason: str | None) -> str:
+        """The output's text, without a final stop token and cut before a matched stop string."""
+        if finish_reason == "stop" and output_ids and output_ids[-1] in self.ids:
+            output_ids = output_ids[:-1]
+        text = self.tokenizer.decode(output_ids)
+        return text if self.text_end is None else text[:self.text_end]
+
+
 class Generation:
     """One request's state. In process: call `step()` until `finished`; each call returns the tokens it
     committed. A batching server instead calls `plan(tree)` for each, runs the plans in one `forward_batch`, then
     `commit_round` for all.
 
-    `feature_layer_ids` (the local drafter's, or a remote drafter's for a server) makes each apply keep
-    `last_features`: the target's hidden states for the tokens it moved into the KV cache. Given feature layers
-    without a local drafter (a server's request, drafted remotely), it keeps them all (`keep_features`), to
+    `feature_layer_ids` (the local drafter's, or a remote drafter's for a server) makes each apply keep the
+    target's hidden states for the tokens it moved into the KV cache (`features.last`). Given feature layers
+    without a local drafter (a server's request, drafted remotely), it keeps them all (`features.keep`), to
     resend a drafter that lost its context.
 
     With `verifier`, the request's KV lives in blocks of the verifier's paged pool, taken as it grows and
@@ -335,25 +404,22 @@ class Generation:
         # budget bounds the trees this request accepts, from the local drafter or from plan()'s caller.
         self.drafter, self.budget = drafter, budget
         self.draft_context = drafter.new_context() if drafter is not None else None
-        self.feature_layer_ids = tuple(drafter.feature_layer_ids if drafter is not None else feature_layer_ids)
-        bad_layers = [i for i in self.feature_layer_ids if not 0 <= i < cfg.num_layers]
+        layer_ids = tuple(drafter.feature_layer_ids if drafter is not None else feature_layer_ids)
+        bad_layers = [i for i in layer_ids if not 0 <= i < cfg.num_layers]
         if bad_layers:
             raise TreeserveError(f"the drafter asks for target layer {bad_layers[0]}, but the target has "
                                  f"{cfg.num_layers} layers")
-        self.last_features: Rows | None = None  # of the last forward; valid until the next
-        self.keep_features = drafter is None and bool(self.feature_layer_ids)
-        self.feature_chunks: list[torch.Tensor] = []  # on the CPU, when keep_features
+        self.features = TargetFeatures(layer_ids, keep=drafter is None and bool(layer_ids))
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.seed = params.seed if params.seed is not None else random_seed()
-        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_ids))
+        self.stops = Stops(tokenizer, params)
         self.verifier = verifier
         if verifier is not None:
             self.cache = verifier.pool.sequence()
         else:
             self.cache = KVCache(cfg, self.kv_tokens_needed, model.dtype, model.device)
         self.finish_reason: str | None = None
-        self.stop_text_end: int | None = None  # where a matched stop string starts in the decoded text
         self.rounds = self.round_tokens = self.drafted_tokens = 0
         self.last_accepted = 0  # drafted tokens the last round accepted (before a stop cut)
         self.started = time.perf_counter()
@@ -378,7 +444,7 @@ class Generation:
         if self.finished:
             return []
         plan = self.plan(self.local_draft() if self.prefilled else None)
-        logits, features = forward_batch(self.model, [plan], self.feature_layer_ids, self.verifier)
+        logits, features = forward_batch(self.model, [plan], self.features.layer_ids, self.verifier)
         return commit_round([self], [plan], logits, features)[0]
 
     def plan(self, tree: DraftTree | None) -> ForwardPlan:
@@ -388,8 +454,8 @@ class Generation:
             n = len(self.prompt_ids)
             return ForwardPlan(self.cache, self.prompt_ids, np.arange(n), None, [n - 1], None)
         root = self.output_ids[-1]
-        if tree is None:  # our own root, nothing to check: built directly (at 64 requests a round, the general
-            # path below cost a millisecond of host time for trees of one node)
+        if tree is None:  # our own root, nothing to check: built directly, as the general path below would
+            # cost host time for every request of every plain round
             return ForwardPlan(self.cache, [root], np.array([self.cache.length]), ROOT_ONLY_MASK, [0],
                                DraftTree([root], [-1]))
         tree.validate(self.model.config.vocab_size)
@@ -427,20 +493,12 @@ class Generation:
         self.cache.keep(kept)
         if self.finished:
             self.release()
-        if self.feature_layer_ids:
-            if features is None:
-                raise TreeserveError("this generation needs target features, and the forward gave none")
-            # Rows of the forward's features, gathered with every other request's by commit_round's backlog (when
-            # keep_features): no tensor op here, per request and round.
-            if len(kept) == len(features):
-                self.last_features = features
-            else:
-                contiguous = kept[-1] == len(kept) - 1  # ascending rows: only a prefix ends at its own length - 1
-                self.last_features = features[:len(kept)] if contiguous else features.select(kept)
+        if self.features.layer_ids:
+            self.features.take(features, kept)
         if self.drafter is not None and not self.finished:
+            last = self.features.last
             try:
-                self.drafter.extend(self.draft_context, new_context,
-                                    None if self.last_features is None else self.last_features.tensor())
+                self.drafter.extend(self.draft_context, new_context, None if last is None else last.tensor())
             except DraftPoolFull:  # the drafter cannot hold this request: it goes on without trees
                 self.drafter.release(self.draft_context)
                 self.drafter = None
@@ -449,8 +507,7 @@ class Generation:
     def stop_drafting(self) -> None:
         """Decode plainly from now on: no trees, no features kept for a drafter (a server's request, whose remote
         drafter the caller tells to forget it)."""
-        self.budget, self.feature_layer_ids, self.keep_features = 0, (), False
-        self.feature_chunks, self.last_features = [], None
+        self.budget, self.features = 0, TargetFeatures((), keep=False)
 
     def release(self) -> None:
         """Give a paged cache's blocks back to the pool (a contiguous cache goes with the generation), and the
@@ -471,19 +528,6 @@ class Generation:
             return self.output_ids[start - len(self.prompt_ids):]
         return self.prompt_ids[start:] + self.output_ids
 
-    def features_since(self, start: int) -> torch.Tensor:
-        """Kept feature rows from row `start` on (row i: the i-th token of the prompt and output)."""
-        chunks, end = [], sum(len(chunk) for chunk in self.feature_chunks)
-        for chunk in reversed(self.feature_chunks):  # usually only the newest chunk or two are needed
-            if end <= start:
-                break
-            chunks.append(chunk[max(0, start - (end - len(chunk))):])
-            end -= len(chunk)
-        if not chunks:
-            width = self.feature_chunks[0].shape[1] if self.feature_chunks else 0
-            return torch.empty(0, width)
-        return torch.cat(chunks[::-1])
-
     def local_draft(self) -> DraftTree | None:
         if self.drafter is None:
             return None
@@ -495,33 +539,15 @@ class Generation:
         for token in tokens:
             self.output_ids.append(token)
             committed.append(token)
-            if token in self.stop_ids or self._stop_string_ended():
-                self.finish_reason = "stop"
-            elif len(self.output_ids) >= self.params.max_new_tokens:
-                self.finish_reason = "length"
+            self.finish_reason = self.stops.reason(self.output_ids)
             if self.finished:
                 self.elapsed_s = time.perf_counter() - self.started
                 break
         return committed
 
-    def _stop_string_ended(self) -> bool:
-        if not self.params.stop_strings:
-            return False
-        text = self.tokenizer.decode(self.output_ids)
-        # Only a match that the newest token completed can be new; search a tail long enough to hold one.
-        tail_start = max(0, len(self.tokenizer.decode(self.output_ids[:-1])) - max(map(len, self.params.stop_strings)))
-        found = [i for s in self.params.stop_strings if (i := text.find(s, tail_start)) >= 0]
-        if found:
-            self.stop_text_end = min(found)
-        return bool(found)
-
     def text(self) -> str:
         """The output text so far, without a final stop token and cut before a matched stop string."""
-        ids = self.output_ids
-        if self.finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids)
-        return text if self.stop_text_end is None else text[:self.stop_text_end]
+        return self.stops.text(self.output_ids, self.finish_reason)
 
     def result(self) -> GenerationResult:
         return GenerationResult(
