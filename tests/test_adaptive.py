@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,8 +15,9 @@ from helpers import PROMPTS, SERVING, Services, expected, health, request, run_a
 from treeserve.loading import load_target
 from treeserve.telemetry import round_totals
 from treeserve.tree import DraftTree
-from treeserve.verifier.adaptive import BUDGET_STEPS, AdaptiveSpeculation, Calibration, GiveUp, RecentCost
-from treeserve.verifier.drafter_link import DraftRound
+from treeserve.verifier.adaptive import (BUDGET_STEPS, AdaptiveSpeculation, Calibration, Exploration, GiveUp,
+                                         RecentCost)
+from treeserve.verifier.drafter_link import DraftRound, catches_up
 from treeserve.verifier.round import Choice, RequestReport, RoundReport
 
 CANARY_EVERY = GiveUp.CANARY_EVERY
@@ -159,6 +161,47 @@ def test_a_dear_try_waits_until_it_is_a_small_share_of_the_time():
     costs(fresh, 1, {1: 1.7, 17: 2.0}, draft_ms=12.0)
     costs(fresh, 64, {1: 11.0, 2: 12.0, 3: 13.0, 5: 14.0, 9: 16.0, 17: 20.0}, draft_ms=None)
     assert fresh.costs.round_seconds(64, 1) == pytest.approx(0.012 + 64 * 0.012)
+
+
+def test_catch_up_round_trips_price_tries_not_rounds():
+    """A drafter round trip that caught a request's context up (its prompt, or the rounds it decoded plainly) is
+    dearer than a steady one: it does not price steady rounds, so trees that accept well are played once tried,
+    and their steady round trips then price them; it does make the next try wait longer."""
+    adaptive = AdaptiveSpeculation()
+    costs(adaptive, 1, {1: 1.6, 17: 2.2}, draft_ms=None)
+    caught_up = DraftRound({"a": DraftTree([1, 2], [-1, 0])}, round_trip_s=0.0095, catch_up=True)
+    for _ in range(RecentCost.SETTLED):  # tries, each after plain rounds: 4 tokens at budget 16
+        adaptive.observe(report(Choice(16), 1, {"a": (16, 4)}, verify_ms=2.2, drafts=[caught_up]))
+    assert adaptive.costs.round_seconds(1, 16) == pytest.approx(0.0022)  # no steady round trip timed yet
+    assert adaptive.costs.catch_up_extra(1, 16) == pytest.approx(0.0095)
+    assert budget(adaptive, {"a": 16}, batch=1) > 0
+    steady = DraftRound({"a": DraftTree([1, 2], [-1, 0])}, round_trip_s=0.0025)
+    for _ in range(RecentCost.SETTLED):
+        adaptive.observe(report(Choice(16), 1, {"a": (16, 4)}, verify_ms=2.2, drafts=[steady]))
+    assert adaptive.costs.round_seconds(1, 16) == pytest.approx(0.0047)
+    assert adaptive.costs.catch_up_extra(1, 16) == pytest.approx(0.0070)
+
+    def plain_rounds_before_a_try(catch_up_ms: float | None) -> int:
+        policy = AdaptiveSpeculation()
+        ids = [f"r{i}" for i in range(64)]
+        costs(policy, 64, {1: 11.0, 17: 20.0}, draft_ms=3.0)
+        if catch_up_ms is not None:
+            for _ in range(RecentCost.SETTLED):
+                policy.costs.observe_draft(64, 16, catch_up_ms / 1000, catch_up=True)
+        accept(policy, ids, 16, 1)  # trees that never pay: plain rounds, and now and then a try
+        return next(played for played in range(1, 50_000) if budget(policy, {i: 16 for i in ids}, batch=64) > 0)
+
+    # The cheapest try (budget 8) costs 3 ms beyond a plain round, or 250 ms where its round trip catches up: it
+    # comes after explore_every plain rounds, or once they have taken 1 / SHARE times those 250 ms.
+    assert plain_rounds_before_a_try(None) == 32
+    assert plain_rounds_before_a_try(250.0) == pytest.approx(0.250 / Exploration.SHARE / 0.011, abs=2)
+
+
+def test_a_request_catches_up_when_new_on_the_stream_or_after_plain_rounds():
+    drafting = SimpleNamespace(committed_count=40, last_accepted=3)  # its last round committed 4 tokens
+    assert not catches_up(36, drafting)
+    assert catches_up(30, drafting)  # it also decoded plainly since it was sent
+    assert catches_up(None, drafting)  # new on this stream: the item carries its prompt
 
 
 def play_until_given_up(adaptive: AdaptiveSpeculation, ids: list[str], batch: int) -> int:

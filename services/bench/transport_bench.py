@@ -22,7 +22,7 @@ from treeserve.telemetry import percentile
 
 
 class SyntheticRequest:
-    """What DrafterLink reads from a Generation: committed tokens and the budget."""
+    """What DrafterLink reads from a Generation: committed tokens, the last round's accepted tokens and the budget."""
 
     def __init__(self, rng: random.Random, prompt_tokens: int, budget: int, vocab: int = 49152):
         # A repeating pattern, so the n-gram drafter finds matches and returns full trees.
@@ -30,6 +30,7 @@ class SyntheticRequest:
         self.tokens = [pattern[i % len(pattern)] for i in range(prompt_tokens)]
         self.budget = budget
         self.rng = rng
+        self.last_accepted = 0
 
     @property
     def committed_count(self) -> int:
@@ -40,8 +41,10 @@ class SyntheticRequest:
 
     def commit(self) -> None:
         """A round's worth of accepted tokens (1 to 4), continuing the pattern."""
-        for _ in range(self.rng.randint(1, 4)):
+        accepted = self.rng.randint(1, 4)
+        for _ in range(accepted):
             self.tokens.append(self.tokens[-32])
+        self.last_accepted = accepted - 1
 
 
 async def measure(address: str, batch: int, rounds: int, warmup: int, budget: int, prompt_tokens: int) -> dict:

@@ -131,6 +131,7 @@ class CostModel:
         # batch bucket -> tree bucket -> seconds
         self.verify_s: dict[int, dict[int, RecentCost]] = {}
         self.draft_s: dict[int, dict[int, RecentCost]] = {}
+        self.catch_up_s: dict[int, RecentCost] = {}  # batch bucket -> drafter round trips that caught up
         self.graph_s: dict[int, dict[int, float]] = {}  # each captured graph's replay alone, timed at start-up
 
     @staticmethod
@@ -147,9 +148,23 @@ class CostModel:
         round (staging, picking, committing), so it prices the difference between tree sizes, not a round."""
         self.graph_s.setdefault(batch_bucket(batch), {})[tree_bucket(nodes)] = seconds
 
-    def observe_draft(self, batch: int, budget: int, seconds: float) -> None:
-        """A drafter round trip for `batch` requests at round budget `budget`."""
-        self._add(self.draft_s, batch, budget + 1, seconds)
+    def observe_draft(self, batch: int, budget: int, seconds: float, catch_up: bool = False) -> None:
+        """A drafter round trip for `batch` requests at round budget `budget`. One that caught a request's context
+        up (`catch_up`: its prompt, or the rounds it decoded plainly) prices the next try, not a steady round: at
+        one request a catch-up costs a DFlash drafter several steady rounds, and judging trees by it would keep
+        them from ever being played."""
+        if catch_up:
+            self.catch_up_s.setdefault(batch_bucket(batch), RecentCost()).add(seconds)
+        else:
+            self._add(self.draft_s, batch, budget + 1, seconds)
+
+    def catch_up_extra(self, batch: int, budget: int) -> float:
+        """What a try's drafter round trip costs beyond a steady one at this batch and budget (0 when unknown)."""
+        bucket = batch_bucket(batch)
+        caught_up = self.catch_up_s.get(bucket)
+        if caught_up is None:
+            return 0.0
+        return max(0.0, caught_up.value - self._draft_estimate(bucket, tree_bucket(budget + 1)))
 
     def round_seconds(self, batch: int, budget: int) -> float | None:
         """Estimated time of one round of `batch` requests at round budget `budget`; None when unknown."""
@@ -403,7 +418,8 @@ class AdaptiveSpeculation:
             self.acceptance.observe(request.request_id, request.tree_nodes, request.committed)
         trips = [found.round_trip_s for found in report.drafts if found.trees]
         if report.budgets and trips:
-            self.costs.observe_draft(report.batch, max(report.budgets.values()), max(trips))
+            self.costs.observe_draft(report.batch, max(report.budgets.values()), max(trips),
+                                     catch_up=any(found.catch_up for found in report.drafts))
         if report.forward_batch and not report.with_prompts:
             # The whole round less its wait on drafters: everything a tree adds to the host's work (plans,
             # staging, the acceptance walk, the messages) as well as the forward. A drafter that failed is waited
@@ -472,14 +488,15 @@ class AdaptiveSpeculation:
             log.debug("adaptive: batch %d, mean slope %.2f, realized over expected drafts %.2f, expected tokens/s "
                       "by budget %s", batch, statistics.fmean(slope for slope, _ in slopes), factor,
                       {step: round(rate, 1) for step, rate in rates.items()})
-        best = self._explore(best, rates, seconds)
+        best = self._explore(best, rates, seconds, batch)
         if best == 0:
             self.plain_signature, self.plain_round_s = signature, seconds[0]
         expected = (batch + factor * drafted[best], seconds[best])
         return Choice(best, expected, drafted[best] if best > 0 else None)
 
-    def _explore(self, best: int, rates: dict[int, float], seconds: dict[int, float]) -> int:
-        """The budget to play: `best`, or after enough plain rounds the best tree, tried."""
+    def _explore(self, best: int, rates: dict[int, float], seconds: dict[int, float], batch: int) -> int:
+        """The budget to play: `best`, or after enough plain rounds the best tree, tried (its drafter round trip
+        catches every request up)."""
         if best > 0:
             self.exploration.paid()
             return best
@@ -488,4 +505,5 @@ class AdaptiveSpeculation:
         if not tries:
             return best
         trial = max(tries, key=lambda step: rates[step])
-        return trial if self.exploration.try_now(seconds[trial] - seconds[0]) else best
+        extra_s = seconds[trial] - seconds[0] + self.costs.catch_up_extra(batch, trial)
+        return trial if self.exploration.try_now(extra_s) else best

@@ -57,6 +57,9 @@ class DraftRound:
     # The round's messages (more than one request when its features were split: MESSAGE_FEATURE_BYTES).
     requests: list[drafter_pb2.DraftRequest] = dataclasses.field(default_factory=list)
     responses: list[drafter_pb2.DraftResponse] = dataclasses.field(default_factory=list)
+    # Whether a request's context moved on by more than its last round (`catches_up`): such a round trip carries
+    # more tokens and features than a steady one, so it prices a try, not a round.
+    catch_up: bool = False
 
     @property
     def request_bytes(self) -> int:
@@ -102,6 +105,12 @@ def split_context(request_id: str, token_ids: list[int], features, first: bool, 
         pieces.append(ContextPiece(request_id, token_ids[start:end], rows))
         start = end
     return pieces
+
+
+def catches_up(sent: int | None, generation) -> bool:
+    """Whether a request's next item carries more than its last round's tokens (`sent`: the tokens of its context
+    the stream has seen, None if none): it is new there, or it decoded plainly since it was last sent."""
+    return sent is None or generation.committed_count - sent > generation.last_accepted + 1
 
 
 class DrafterLink:
@@ -150,6 +159,8 @@ class DrafterLink:
         then decode plainly)."""
         if not self.up:
             return DraftRound({})
+        catch_up = any(catches_up(self.sent.get(request_id), generation)
+                       for request_id, generation in requests.items())
         messages = self._messages(requests, trace_contexts, budgets or {})
         started = time.perf_counter()
         trees, propose_s, replies = {}, 0.0, []
@@ -168,7 +179,7 @@ class DrafterLink:
             detail = error.code().name if isinstance(error, grpc.aio.AioRpcError) else error
             self._down(f"round failed: {type(error).__name__}: {detail}")
             return DraftRound({}, round_trip_s=time.perf_counter() - started)  # the wait is the round's all the same
-        return DraftRound(trees, propose_s, time.perf_counter() - started, messages, replies)
+        return DraftRound(trees, propose_s, time.perf_counter() - started, messages, replies, catch_up)
 
     def _messages(self, requests: dict, trace_contexts: dict[str, dict[str, str]], budgets: dict[str, int]
                   ) -> list[drafter_pb2.DraftRequest]:
