@@ -66,8 +66,8 @@ def _attend_tile(q, n0, best, total, acc, k_ptr, v_ptr, tables_ptr, mask_ptr, b,
 
 # Integer arguments that vary with a prompt's shape are not specialised on (Triton compiles a variant for a value of
 # 1 and for a multiple of 16): otherwise a fresh server compiled, mid-request, for a prompt whose block table or
-# row count happened to meet a new case (0.28 s on the H200). Compiled variants then follow the constexprs alone,
-# which `warm_up` launches one by one.
+# row count happened to meet a new case. Compiled variants then follow the constexprs alone, which `warm_up`
+# launches one by one.
 @triton.jit(do_not_specialize=["stride_tb", "rows", "splits"])
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_stat_ptr, tables_ptr, prefix_ptr, size_ptr, mask_ptr, scale,
@@ -175,14 +175,12 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
-# Launch settings, chosen on an H200 by `python -m treeserve.bench.attention_sweep` (docs/benchmarks.md):
-# query rows per program (tree rows x grouped heads), keys per tile, warps, pipeline stages, and how many
-# programs per streaming multiprocessor the key-range splits aim for. Run the sweep on another GPU and set the
-# best here.
+# Launch settings, chosen by `python -m treeserve.bench.attention_sweep` (docs/benchmarks.md): query rows per
+# program (tree rows x grouped heads), keys per tile, warps, pipeline stages, and how many programs per streaming
+# multiprocessor the key-range splits aim for. Run the sweep on another GPU and set the best here.
 # The combine kernel's warps follow its work: about `combine_values_per_thread` split partials per thread (each
-# program merges padded splits x grouped heads x head_dim of them), 1 to 4 warps. On the H200 (8B shape, one
-# request, context 1k) a 65-row tree's combine (6 splits) ran best at 1 warp: its verification took 5.80-5.96 ms
-# against 6.10-6.15 at 4 warps in the same process, while one row's (32 splits) ran best at 2-4 (docs/benchmarks.md).
+# program merges padded splits x grouped heads x head_dim of them), 1 to 4 warps: a large tree's few splits merge
+# fastest with one warp, a decode step's many splits with more.
 TUNING = {"query_rows": 64, "block_n": 32, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2,
           "combine_values_per_thread": 128}
 

@@ -14,8 +14,8 @@ inter-token latency (p50/p99), the mean tokens per verification round, the verif
 plain run's parts from it (for python -m treeserve.bench.near_ties). The JSON goes to --out, and a PNG plot
 beside it (tokens per second against concurrency; tokens per round against budget).
 
-One pair of runs resolves no difference below a few percent: on one H200, runs that did the same work read
-0.95-1.04x of each other (docs/benchmarks.md). With --repeats K each load runs each mode K times, the modes taking
+One pair of runs resolves no difference below a few percent: runs that did the same work differ by about that
+much (docs/benchmarks.md). With --repeats K each load runs each mode K times, the modes taking
 turns (plain first, then speculative first, ...) so that drift falls on both; each speculative run is compared
 with the plain run of its turn, and the report's `summary` gives per load and budget the medians and the range
 of the ratios.

@@ -71,9 +71,8 @@ def unix_socket_path(address: str) -> Path | None:
 
 def freeze_startup_objects() -> None:
     """Put every object alive now out of the garbage collector's reach: what a process keeps for its life (modules,
-    model, tokenizer, graphs; 306k objects in a verifier on SmolLM2). A full collection walks every object it
-    tracks, 0.2 s on the CPU machine for those alone, and stops the whole process meanwhile: every stream of a
-    service. Serving allocates enough to start one every few seconds (docs/benchmarks.md)."""
+    model, tokenizer, graphs). A full collection walks every object it tracks and stops the whole process meanwhile,
+    every stream of a service, and serving allocates enough to start one every few seconds (docs/benchmarks.md)."""
     gc.collect()  # startup's garbage goes now rather than staying frozen
     gc.freeze()
 

@@ -74,8 +74,7 @@ class DraftTree:
 @functools.lru_cache(maxsize=1024)  # at most 17 MB of 129-node masks
 def _ancestor_mask(parents: tuple[int, ...]):
     """DraftTree.ancestor_mask of trees with these parents. Trees of a few shapes come back round after round (a
-    drafter at budget 4 makes few), and working a mask out was half of planning a request's round (4 of 8 us on
-    the CPU machine; 0.24 ms of a 64-request round of trees on the H200 host)."""
+    drafter at budget 4 makes few), and working a mask out was about half of planning a request's round."""
     import numpy as np  # here, not at the top: drafters use trees without needing torch
     import torch
 

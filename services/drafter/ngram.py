@@ -18,11 +18,9 @@ class NgramDrafter(TokenDrafter):
         first, then the most recent occurrence first; each occurrence once.
 
         Only the earlier occurrences of the last token are candidates, from the context's index, most recent
-        first, and the walk stops once max_continuations of them match as far back as any can. On the CPU
-        machine a proposal for 64 code requests takes 0.27 ms; NumPy over each whole context took 2.5 ms, mostly
-        call overhead on small arrays (docs/logs/2026-12-01-cpu-ngram-draft.py), and 3.3-3.7 ms of a 64-request
-        round on the H200 host went to drafting. With the most frequent token last, in contexts of 500-4000
-        tokens: 13-41 us against 52-126."""
+        first, and the walk stops once max_continuations of them match as far back as any can. This replaced
+        NumPy over each whole context, whose cost on a large batch's critical path was mostly call overhead on
+        small arrays (docs/benchmarks.md, "Host work")."""
         if not isinstance(context, TokenContext):
             context = TokenContext(context)
         tokens = context.tokens

@@ -44,8 +44,8 @@ async def serve(args, shard=None, followers=()) -> None:
     log.info("verifier listening on %s; loading %s", service.address, args.target)
     mirror = None if shard is None else Mirror(parallel.control_group())
     # All of torch's parallel work runs on this one thread, from loading to every forward that blocks. A second
-    # thread's parallel op starts a second OpenMP team, and on the 2-core CPU machine every round after that took
-    # 2.6x as long, for the life of the process (docs/benchmarks.md).
+    # thread's parallel op starts a second OpenMP team, more threads than cores, and every later round slows down
+    # for the life of the process (docs/benchmarks.md, "On the CPU").
     compute = ThreadPoolExecutor(1, "verifier-compute")
     on_compute = functools.partial(asyncio.get_running_loop().run_in_executor, compute)
     try:

@@ -50,14 +50,12 @@ class TreeVerifier:
         self.captured_features: tuple[int, ...] | None = None
         self.mirror = None  # on rank 0 of a tensor-parallel target: the other ranks' channel (tensor_parallel)
         # Prompts of up to this many rows buckets are prefilled in pieces through the runner (`prefill_in_pieces`),
-        # longer ones in one eager forward (`prefill`). With graphs, 8 pieces: an eager prefill's host work (a
-        # Triton launch from Python per kernel, 30 layers) took about 5 ms per round with new prompts at 64
-        # requests on the H200 host, and pieces replay for a fraction of that, while a long prompt in pieces of
-        # 129 rows would reread the weights once per piece on a large model. Without graphs, 0: the eager forward
-        # of one packed batch is the cheaper there.
+        # longer ones in one eager forward (`prefill`). With graphs, 8 pieces: an eager prefill launches every
+        # kernel from Python, which pieces replayed from graphs avoid, while a long prompt in pieces would reread
+        # the weights once per piece on a large model. Without graphs, 0: one packed eager forward is cheaper.
         self.prefill_pieces = self.PREFILL_PIECES if graphs else 0
-        # The causal mask of a piece of each length, made once: one made per piece and round took 0.17-0.22 ms of
-        # a 64-request round with new code prompts in a profile on the H200 host.
+        # The causal mask of a piece of each length, made once, not per piece and round: making them was a visible
+        # part of a large batch's rounds with new prompts.
         self.piece_masks = [causal_mask(rows) for rows in range(self.runner.max_rows + 1)]
 
     def mirror_to(self, mirror) -> None:
@@ -163,8 +161,8 @@ class TreeVerifier:
     @torch.inference_mode()
     def warm_up_prefill(self, feature_layer_ids: tuple[int, ...] = ()) -> float:
         """Throwaway prefills of WARM_UP_PROMPTS and the attention's variants, so that their kernels compile at
-        start-up, not during the first requests (on the H200, a fresh verifier's first requests ran at a fifth of
-        the speed while they compiled); the pool is as before afterwards. Returns the seconds it took."""
+        start-up, not during the first requests (which otherwise run far slower while they compile); the pool is as
+        before afterwards. Returns the seconds it took."""
         started = time.perf_counter()
         if self.kernels:
             self.warm_up_attention()

@@ -12,9 +12,8 @@ class Rows:
     requests of one forward.
 
     A forward's outputs hold every request's rows. Slicing out each request's part cost one tensor op per request
-    and round, and joining the parts again (for the round's picks, for the kept features) another: at 64 requests,
-    about 0.1 ms of host time for each such list on the CPU machine, on the round's critical path. A Rows is a
-    Python object; `gather` makes one tensor of many in one op."""
+    and round, and joining the parts again (for the round's picks, for the kept features) another, on the round's
+    critical path. A Rows is a Python object; `gather` makes one tensor of many in one op."""
 
     __slots__ = ("source", "index")
 

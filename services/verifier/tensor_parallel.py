@@ -27,8 +27,8 @@ class RankLost(TreeserveError):
 
 class WireArray:
     """A host tensor on its way to the other ranks, as a NumPy array: pickled as raw bytes, where a pickled tensor
-    goes through torch's storage serialisation (on the CPU machine over gloo, one 64-request round's staged rows
-    took 4.6-5.4 ms to broadcast and unpickle as tensors, 1.4-1.5 ms as arrays)."""
+    goes through torch's storage serialisation, several times slower for a large batch's staged rows, which every
+    follower waits for before its forward."""
 
     __slots__ = ("array",)
 

@@ -90,10 +90,8 @@ def stage_trees(sequences: list[PagedSequence], tokens: list[list[int]], positio
     if into is not None and into.paged.tables.shape[1] != table_width:
         raise TreeserveError(f"staging buffers of block-table width {into.paged.tables.shape[1]}, not {table_width}")
     staged = padded_rows(batch, rows, table_width) if into is None else into.view(batch, rows)
-    # Filled through NumPy views, which cost a fraction of torch indexing (at 64 requests a round, per-request
-    # torch calls here took milliseconds), and padded through them too: torch's fills of the reused buffers took
-    # 0.28 ms of a 64-request round in a profile on the H200 host, where back to back they take 12 us (NumPy's
-    # 10). On the CPU machine, after 5 idle ms as between rounds: 25-37 us against 20-22 for NumPy's.
+    # Filled and padded through NumPy views, which cost a fraction of torch indexing per request; torch's fills of
+    # the reused buffers also cost more between rounds than back to back.
     tokens_np, positions_np = staged.tokens.numpy().reshape(batch, rows), staged.positions.numpy().reshape(batch, rows)
     slots_np = staged.paged.slots.numpy().reshape(batch, rows)
     tables_np, mask_np = staged.paged.tables.numpy(), staged.paged.tree_mask.numpy()
@@ -138,8 +136,7 @@ class PagedRunner:
 
     # Forwards are staged in two sets of host buffers in turn: a forward that follows another one within a round
     # (a prompt's next piece) is staged while the copies of the one before are still queued behind that one's
-    # own predecessor. With one set, the host waited for them: on the H200 host, 1.9 ms of a 64-request round
-    # with new prompts coming in (docs/benchmarks.md).
+    # own predecessor. With one set, the host waited for those copies.
     STAGING_BUFFERS = 2
 
     def __init__(self, pool: PagedKVCache, forward, max_batch: int, row_buckets: list[int], max_length: int,

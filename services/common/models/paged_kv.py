@@ -113,9 +113,9 @@ class PagedSequence:
         """Cache slots (block * block_size + offset) of positions start .. start + count - 1."""
         size = self.cache.block_size
         first, last = start // size, (start + count - 1) // size
-        if count > 0 and first == last:  # a tree or an accepted path, mostly: one run of one block's slots
-            base = self.blocks[first] * size + start % size  # (a third of the general way's time; it was 0.24 ms
-            return torch.arange(base, base + count)  # of a 64-request round of trees on the H200 host)
+        if count > 0 and first == last:  # a tree or an accepted path, mostly: one run of one block's slots,
+            base = self.blocks[first] * size + start % size  # several times cheaper than the general way, which
+            return torch.arange(base, base + count)  # was a visible part of a large batch's round of trees
         positions = np.arange(start, start + count)
         table = np.asarray(self.blocks[first:last + 1], dtype=np.int64)  # only the blocks the positions span
         return torch.from_numpy(table[positions // size - first] * size + positions % size)

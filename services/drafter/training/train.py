@@ -397,7 +397,7 @@ def generate_padded(model: DecoderLM, prompts: Sequence[list[int]], max_new_toke
     return LockstepDecoder(model, prompts, max_new_tokens, stop_ids, temperature, seed).run()
 
 
-# cuDNN attention builds a new plan for every new key length, 2 ms of CPU per call; the fused kernels need none.
+# cuDNN attention builds a new plan, on the CPU, for every new key length; the fused kernels need none.
 VARYING_LENGTH_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
