@@ -55,7 +55,14 @@ def test_flags_win_over_the_environment_which_wins_over_defaults(monkeypatch):
     assert (settings.max_batch, settings.kv_cache_tokens, settings.drafter, settings.log_level) == (
         8, 0, ["a:1", "b:2"], "DEBUG")
     assert VerifierSettings.parse(["--drafter", "c:3"]).drafter == ["c:3"]
-    assert VerifierSettings().drafter == [] and VerifierSettings.parse([]).speculation == "fixed"
+    assert VerifierSettings().drafter == [] and VerifierSettings.parse([]).speculation == "auto"
+
+
+def test_auto_speculation_is_adaptive_on_a_gpu_and_fixed_on_the_cpu():
+    assert VerifierSettings.parse(["--device", "cuda"]).adaptive
+    assert not VerifierSettings.parse(["--device", "cpu"]).adaptive
+    assert not VerifierSettings.parse(["--device", "cuda", "--speculation", "fixed"]).adaptive
+    assert VerifierSettings.parse(["--speculation", "adaptive"]).adaptive
 
 
 def test_checks_that_span_fields():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from treeserve.errors import TreeserveError
 from treeserve.params import GenerationParams
-from treeserve.settings import DEVICES, DTYPES, GRAPHS, TREE_KINDS, OneLineErrorParser
+from treeserve.settings import DEVICES, DTYPES, GRAPHS, SPECULATION, TREE_KINDS, OneLineErrorParser
 from treeserve.tree import MAX_BUDGET
 
 DRAFTERS = ("auto", "none", "ngram", "dflash", "merged", "model")
@@ -96,9 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--cuda-graphs", choices=GRAPHS, default="auto",
                     help="replay the verifier's and the DFlash drafter's forwards from CUDA graphs: auto (on with "
                          "--device cuda), on, off (for debugging)")
-    up.add_argument("--speculation", choices=("fixed", "adaptive"), default="fixed",
-                    help="the verifier's: fixed (every request drafts its budget) or adaptive (each round's budget "
-                         "chosen for tokens per second, 0 = plain decoding); default fixed")
+    up.add_argument("--speculation", choices=SPECULATION, default="auto",
+                    help="the verifier's: fixed (every request drafts its budget), adaptive (each round's budget "
+                         "chosen for tokens per second, 0 = plain decoding) or auto (the default: adaptive with "
+                         "--device cuda, fixed on the CPU)")
     up.add_argument("--verifier-metrics", metavar="HOST:PORT",
                     help="serve the verifier's Prometheus metrics here (what treeserve bench reads round times from)")
     up.add_argument("--runtime-dir", help="folder for sockets and logs (default: a new temporary folder)")

@@ -149,6 +149,7 @@ def convert(text: str | list[str], kind, opt: Option, source: str):
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DEVICES, DTYPES, GRAPHS = ("cpu", "cuda"), ("float32", "bfloat16"), ("auto", "on", "off")
+SPECULATION = ("auto", "fixed", "adaptive")
 DRAFTER_KINDS = ("auto", "ngram", "dflash", "merged", "model")
 TREE_KINDS = ("chain", "ddtree")
 
@@ -198,10 +199,10 @@ class VerifierSettings(Settings):
     cuda_graphs: str = option("auto", "replay tree verification from CUDA graphs captured at start-up, on every "
                                       "tensor-parallel rank with its collectives (auto: with --device cuda); off "
                                       "is for debugging", choices=GRAPHS)
-    speculation: str = option("fixed", "fixed: every request drafts its own budget each round; adaptive: each "
-                                       "round's budget (0 = plain decoding) is chosen for tokens per second from "
-                                       "measured verification costs and each request's acceptance",
-                              choices=("fixed", "adaptive"))
+    speculation: str = option("auto", "fixed: every request drafts its own budget each round; adaptive: each "
+                                      "round's budget (0 = plain decoding) is chosen for tokens per second from "
+                                      "measured verification costs and each request's acceptance; auto: adaptive "
+                                      "with --device cuda, fixed on the CPU", choices=SPECULATION)
     adaptive_min_budget: int = option(0, "adaptive: the smallest round budget (0: plain decoding allowed)", minimum=0)
     adaptive_max_budget: int = option(MAX_BUDGET, "adaptive: the largest round budget (a request's own budget caps "
                                                   "it too)", minimum=0)
@@ -222,6 +223,12 @@ class VerifierSettings(Settings):
             problems.append("--adaptive-min-budget and --adaptive-max-budget must satisfy 0 <= min <= max <= "
                             f"{MAX_BUDGET}")
         return problems
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether rounds choose their budget. On a GPU, fixed trees lose to plain decoding in most serving cells
+        (docs/benchmarks.md); on the CPU, fixed trees are what was measured to pay."""
+        return self.speculation == "adaptive" or (self.speculation == "auto" and self.device == "cuda")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,7 +58,7 @@ async def serve(args, shard=None, followers=()) -> None:
         await serving.abandon(service)
         raise
     adaptive = None
-    if args.speculation == "adaptive":
+    if args.adaptive:
         adaptive = AdaptiveSpeculation(args.adaptive_min_budget, args.adaptive_max_budget)
     scheduler = servicer.attach(target, verifier, adaptive, compute)  # (None: fixed speculation)
     if args.device == "cpu":  # the event loop's own torch work (picks, KV moves) is small: one thread, no team
