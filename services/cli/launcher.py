@@ -1,11 +1,14 @@
 """`treeserve up`: the three services on Unix sockets in one runtime folder, on one machine.
 
 Starts drafter, verifier and gateway as child processes (logs in the runtime folder), waits until each reports
-SERVING on grpc.health.v1, prints `gateway: <address>`, and stops them all on Ctrl-C or SIGTERM.
+SERVING on grpc.health.v1, prints `gateway: <address>`, and stops them all on Ctrl-C or SIGTERM. A drafter that
+exits is restarted with backoff (the verifier decodes without trees meanwhile); a verifier or gateway that exits
+stops the stack. A temporary runtime folder (no --runtime-dir) is removed on a clean stop.
 """
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,12 +52,14 @@ class Stack:
     def __init__(self, runtime: Path):
         self.runtime = runtime
         self.children: dict[str, tuple[subprocess.Popen, str, Path]] = {}
+        self.argv: dict[str, list[str]] = {}
         self.serving: set[str] = set()
 
-    def start(self, name: str, args: list[str]) -> str:
+    def start(self, name: str, args: list[str], restart: bool = False) -> str:
         address = f"unix://{self.runtime / name}.sock"
         log = self.runtime / f"{name}.log"
-        with log.open("w") as out:
+        self.argv[name] = args
+        with log.open("a" if restart else "w") as out:  # a restart keeps the log of the run that exited
             process = subprocess.Popen([sys.executable, "-m", f"treeserve.{name}", "--listen", address, *args],
                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.children[name] = (process, address, log)
@@ -76,9 +81,6 @@ class Stack:
                 time.sleep(0.2)
             self.serving.add(name)
 
-    def exited(self) -> str | None:
-        return next((name for name, (process, _, _) in self.children.items() if process.poll() is not None), None)
-
     def stop(self, grace_s: float) -> None:
         for process, _, _ in self.children.values():
             if process.poll() is None:
@@ -91,6 +93,67 @@ class Stack:
                 process.kill()
         for path in self.runtime.glob("*.sock"):
             path.unlink(missing_ok=True)
+
+
+# A drafter that is down costs speed, never tokens (the verifier decodes without trees and reconnects), so `up`
+# restarts it; without its verifier or gateway the stack serves nothing, so `up` stops and says why.
+RESTARTED = ("drafter",)
+FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.5, 4.0
+STEADY_S = 30.0  # a service that ran this long before exiting starts its backoff over
+
+
+class Supervisor:
+    """Watches a started Stack: restarts the services in RESTARTED that exit, with doubling backoff, and counts
+    the restarts; `check` raises TreeserveError when any other service exits."""
+
+    def __init__(self, stack: Stack):
+        self.stack = stack
+        self.restarts = {name: 0 for name in RESTARTED}
+        self.backoff_s = {name: FIRST_BACKOFF_S for name in RESTARTED}
+        self.started_at = {name: time.monotonic() for name in RESTARTED}
+        self.restart_at: dict[str, float] = {}  # exited services waiting out their backoff
+        self.coming_back: set[str] = set()  # restarted services not yet seen serving
+
+    def check(self) -> None:
+        for name, (process, address, log) in list(self.stack.children.items()):
+            if process.poll() is None:
+                self._note_serving(name, address)
+            elif name not in RESTARTED:
+                raise TreeserveError(f"the {name} exited (code {process.returncode}); stopping the stack "
+                                     f"(its log: {log})")
+            elif name in self.restart_at:
+                self._restart_when_due(name)
+            else:
+                self._schedule_restart(name, process.returncode)
+
+    def _schedule_restart(self, name: str, code: int) -> None:
+        now = time.monotonic()
+        if now - self.started_at[name] >= STEADY_S:
+            self.backoff_s[name] = FIRST_BACKOFF_S
+        delay = self.backoff_s[name]
+        self.backoff_s[name] = min(delay * 2, MAX_BACKOFF_S)
+        self.restart_at[name] = now + delay
+        self.coming_back.discard(name)
+        say(f"the {name} exited (code {code}); restarting it in {delay:.1f} s")
+
+    def _restart_when_due(self, name: str) -> None:
+        if time.monotonic() < self.restart_at[name]:
+            return
+        del self.restart_at[name]
+        self.stack.start(name, self.stack.argv[name], restart=True)
+        self.started_at[name] = time.monotonic()
+        self.restarts[name] += 1
+        self.coming_back.add(name)
+        say(f"restarted the {name} (restart {self.restarts[name]})")
+
+    def _note_serving(self, name: str, address: str) -> None:
+        if name in self.coming_back and is_serving(address):
+            self.coming_back.discard(name)
+            say(f"the {name} is serving again")
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 # The settings `treeserve up`'s own flags give each service (through service_argv); every other field of a
@@ -165,20 +228,38 @@ def run_up(args) -> int:
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.append(True))
+    clean = False
     try:
         gateway = start_stack(stack, args)
         print(f"gateway: {gateway}", flush=True)
-        print(f"(logs in {runtime}; Ctrl-C stops all)", file=sys.stderr, flush=True)
+        say(f"(logs in {runtime}; Ctrl-C stops all)")
         if args.demo_prompt:
             from treeserve.gateway.client import stream_demo
 
             stream_demo(gateway, args.demo_prompt)
-        while not stopping and stack.exited() is None:
-            time.sleep(0.2)
-        if not stopping:
-            name = stack.exited()
-            raise TreeserveError(f"the {name} exited; its log ends:\n{log_tail(stack.children[name][2])}")
+        supervise(Supervisor(stack), stopping)
+        clean = True
         return 0
     finally:
-        print("stopping ...", file=sys.stderr, flush=True)
+        say("stopping ...")
         stack.stop(args.grace_s)
+        if not args.runtime_dir:
+            remove_own_runtime(runtime, clean)
+
+
+def supervise(supervisor: Supervisor, stopping: list) -> None:
+    """Until Ctrl-C or SIGTERM; raises TreeserveError when a service that is not restarted exits."""
+    while not stopping:
+        supervisor.check()
+        time.sleep(0.2)
+    counted = ", ".join(f"{name} {count}" for name, count in supervisor.restarts.items() if count)
+    if counted:
+        say(f"restarts: {counted}")
+
+
+def remove_own_runtime(runtime: Path, clean: bool) -> None:
+    """The temporary folder `up` made goes on a clean stop; after a failure its logs stay, to be read."""
+    if clean:
+        shutil.rmtree(runtime, ignore_errors=True)
+    else:
+        say(f"logs kept in {runtime}")
