@@ -78,9 +78,11 @@ class Services:
         self.stack = Stack(runtime)
         self.target_path = target_path
         self.verifier_metrics = free_port()
+        self.drafter_metrics = free_port()
 
     def start_drafter(self) -> str:
-        self.drafter = self.stack.start("drafter", ["--kind", "ngram", "--grace-s", "1"])
+        self.drafter = self.stack.start("drafter", ["--kind", "ngram", "--grace-s", "1",
+                                                         "--metrics-listen", f"127.0.0.1:{self.drafter_metrics}"])
         wait_for(lambda: health(self.drafter) == SERVING, what="the drafter")
         return self.drafter
 

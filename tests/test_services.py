@@ -97,6 +97,16 @@ def test_a_cancelled_stream_frees_its_kv(services):
     assert after[("treeserve_verifier_running_requests", ())] == 0
 
 
+def test_the_drafter_frees_a_request_context_when_the_request_ends(services, target):
+    trees_before = scrape(services.drafter_metrics).get(("treeserve_drafter_trees_total", ()), 0)
+    tokens, _ = run_all(services.gateway, [request(PROMPTS[0], 40)])[0]
+    assert tokens == expected(target, PROMPTS[0], 40)
+    # No round follows the last request's end: the verifier sends its drop on its own.
+    after = wait_for(lambda: (m := scrape(services.drafter_metrics))[("treeserve_drafter_contexts", ())] == 0 and m,
+                     timeout_s=5, what="the drafter to free the finished request's context")
+    assert after[("treeserve_drafter_trees_total", ())] > trees_before  # the request was drafted
+
+
 def test_drafter_killed_mid_stream_then_restarted(services, target):
     prompts = PROMPTS
     long = [request(p, 120) for p in prompts]

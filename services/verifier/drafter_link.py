@@ -113,6 +113,14 @@ def catches_up(sent: int | None, generation) -> bool:
     return sent is None or generation.committed_count - sent > generation.last_accepted + 1
 
 
+STREAM_FAILURES = (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError, asyncio.InvalidStateError)
+
+
+def describe(error: Exception) -> str:
+    detail = error.code().name if isinstance(error, grpc.aio.AioRpcError) else error
+    return f"{type(error).__name__}: {detail}"
+
+
 class DrafterLink:
     def __init__(self, address: str, timeout_s: float, max_backoff_s: float = 5.0):
         self.address, self.timeout_s, self.max_backoff_s = address, timeout_s, max_backoff_s
@@ -175,11 +183,27 @@ class DrafterLink:
                              for tree in reply.trees)
                 propose_s += reply.propose_seconds
                 replies.append(reply)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError, asyncio.InvalidStateError) as error:
-            detail = error.code().name if isinstance(error, grpc.aio.AioRpcError) else error
-            self._down(f"round failed: {type(error).__name__}: {detail}")
+        except STREAM_FAILURES as error:
+            self._down(f"round failed: {describe(error)}")
             return DraftRound({}, round_trip_s=time.perf_counter() - started)  # the wait is the round's all the same
         return DraftRound(trees, propose_s, time.perf_counter() - started, messages, replies, catch_up)
+
+    async def send_drops(self) -> None:
+        """Tell the drafter now which requests ended, on a message of their own, rather than with this link's
+        next round: for when no round follows soon (the batch is empty), so their contexts are freed."""
+        if not self.up or not self.to_drop:
+            return
+        message = self._new_message()
+        for request_id in self.to_drop:
+            message.items.add(request_id=request_id, finished=True)
+        self.to_drop.clear()
+        try:
+            await self.call.write(message)
+            reply = await asyncio.wait_for(self.call.read(), self.timeout_s)
+            if reply is grpc.aio.EOF or reply.round != message.round:
+                raise ConnectionError("the stream ended or answered out of turn")
+        except STREAM_FAILURES as error:
+            self._down(f"dropping finished requests failed: {describe(error)}")
 
     def _messages(self, requests: dict, trace_contexts: dict[str, dict[str, str]], budgets: dict[str, int]
                   ) -> list[drafter_pb2.DraftRequest]:

@@ -155,6 +155,8 @@ class Scheduler:
         """Admit, prepare the drafters, run a round, let its observers read it: until a rank is lost."""
         while self.lost is None:
             if not self.waiting and not self.running:
+                await self._send_drops()
+            if not self.waiting and not self.running:  # (a request may have come while the drops went out)
                 self.wake.clear()
                 await self.wake.wait()
             self._admit()
@@ -214,6 +216,12 @@ class Scheduler:
             entry.generation.stop_drafting()
             self.speculation.forget(request_id)
             self.metrics.drafting_stopped.inc()
+
+    async def _send_drops(self) -> None:
+        """With the batch empty, no round carries the finished requests' drops: send them on their own, so the
+        drafters free those contexts now, off any round's path."""
+        for link in self.links:
+            await link.send_drops()
 
     async def _reconnect(self) -> None:
         """Drafters that are down are tried again (as their backoff allows); a request whose drafter stays down
