@@ -12,7 +12,7 @@ import dataclasses
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from treeserve.errors import TreeserveError
 from treeserve.gateway.client import add_client_arguments, generate_via_gateway, main_client
@@ -53,15 +53,15 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServiceServicer):
     """Streams `steps` (the last one with the final message), optionally waiting for `gate` before the last,
     or aborts with `error`. Records the requests, their deadlines and whether a stream was cancelled."""
 
-    def __init__(self, steps, gated=False, error=None):
-        self.steps, self.error = steps, error
+    def __init__(self, steps, gated=False, error=None, interval_s=0.0, max_context=MAX_CONTEXT):
+        self.steps, self.error, self.interval_s, self.max_context = steps, error, interval_s, max_context
         self.gate = asyncio.Event() if gated else None
         self.requests, self.time_remaining = [], []
         self.cancelled = asyncio.Event()
 
     async def GetInfo(self, request, context):
         return verifier_pb2.VerifierServiceGetInfoResponse(model="fake-smollm2", vocab_size=49152,
-                                                           max_context=MAX_CONTEXT, eos_token_ids=[2], max_budget=32,
+                                                           max_context=self.max_context, eos_token_ids=[2], max_budget=32,
                                                            default_budget=16)
 
     async def Generate(self, request, context):
@@ -72,6 +72,8 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServiceServicer):
         try:
             for step in self.steps[:-1]:
                 yield verifier_pb2.VerifierServiceGenerateResponse(token_ids=step)
+                if self.interval_s:
+                    await asyncio.sleep(self.interval_s)
             if self.gate is not None:
                 await self.gate.wait()
             n = sum(map(len, self.steps))
@@ -96,17 +98,23 @@ class Harness:
     ready: asyncio.Task
 
 
+async def start_fake(fake, address: str) -> grpc.aio.Server:
+    """A fake verifier at `address`, its health SERVING as a real verifier's is once loaded."""
+    server = grpc.aio.server()
+    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(fake, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    server.add_insecure_port(address)
+    await server.start()
+    return server
+
+
 @contextlib.asynccontextmanager
 async def running(tmp_path, tok, fakes, down=0, **kwargs):
     """The gateway in front of `fakes` plus `down` addresses where nothing listens."""
-    servers, addresses = [], []
-    for i, fake in enumerate(fakes):
-        server = grpc.aio.server()
-        verifier_pb2_grpc.add_VerifierServiceServicer_to_server(fake, server)
-        addresses.append(f"unix://{tmp_path}/v{i}.sock")
-        server.add_insecure_port(addresses[-1])
-        await server.start()
-        servers.append(server)
+    addresses = [f"unix://{tmp_path}/v{i}.sock" for i in range(len(fakes))]
+    servers = [await start_fake(fake, address) for fake, address in zip(fakes, addresses)]
     addresses += [f"unix://{tmp_path}/down{i}.sock" for i in range(down)]
     servicer = GatewayServicer(tok, addresses, **kwargs)
     service, ready = await serve(f"unix://{tmp_path}/g.sock", servicer)
@@ -333,6 +341,79 @@ def test_model_info_and_health(tmp_path, tok, steps):
     health, info = asyncio.run(main())
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     assert (info.model, info.max_context, info.max_new_tokens_limit, info.max_budget) == ("fake-smollm2", 64, 63, 32)
+
+
+async def health_of(channel) -> int:
+    return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)).status
+
+
+async def wait_for_health(channel, status, timeout_s=10.0) -> bool:
+    for _ in range(int(timeout_s / 0.05)):
+        if await health_of(channel) == status:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+def test_health_follows_the_only_verifier(tmp_path, tok, steps):
+    async def main():
+        async with running(tmp_path, tok, [FakeVerifier(steps)]) as h:
+            await h.ready
+            await h.servers[0].stop(0)
+            went_down = await wait_for_health(h.channel, health_pb2.HealthCheckResponse.NOT_SERVING)
+            h.servers[0] = await start_fake(FakeVerifier(steps), h.servicer.verifiers[0].address)
+            came_back = await wait_for_health(h.channel, health_pb2.HealthCheckResponse.SERVING)
+            replies = [r async for r in h.stub.Generate(request())]
+            by_name = await health_pb2_grpc.HealthStub(h.channel).Check(
+                health_pb2.HealthCheckRequest(service="treeserve.v1.GatewayService"))
+        return went_down, came_back, replies[-1].finish_reason, by_name.status
+
+    assert asyncio.run(main()) == (True, True, generation_pb2.FINISH_REASON_STOP, health_pb2.HealthCheckResponse.SERVING)
+
+
+def test_undecodable_requests_are_invalid_argument(tmp_path, tok, steps):
+    # GenerateRequest field 1 (prompt): invalid UTF-8, then a length field promising more bytes than follow.
+    bad = {"not utf-8": b"\x0a\x02\xff\xfe", "truncated": b"\x0a\x10abc"}
+
+    async def main():
+        async with running(tmp_path, tok, [FakeVerifier(steps)]) as h:
+            generate = h.channel.unary_stream("/treeserve.v1.GatewayService/Generate",
+                                              response_deserializer=gateway_pb2.GenerateResponse.FromString)
+            return {name: await status_of(generate(data)) for name, data in bad.items()}
+
+    for code, message in asyncio.run(main()).values():
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid treeserve.v1.GenerateRequest" in message
+
+
+async def largest_gap(call) -> float:
+    gaps, last = [], None
+    async for _ in call:
+        now = asyncio.get_running_loop().time()
+        if last is not None:
+            gaps.append(now - last)
+        last = now
+    return max(gaps)
+
+
+@pytest.mark.parametrize("max_context", [MAX_CONTEXT, 150_000], ids=["refused-by-bytes", "tokenized-in-a-thread"])
+def test_large_prompts_do_not_stall_another_stream(tmp_path, tok, steps, max_context):
+    """Four 1M-character prompts beside a stream: refused by their bytes, or (a context that fits their bytes but
+    not their tokens) by their tokens, tokenized off the event loop; the stream's largest gap stays under 2x."""
+    large = request(prompt="word " * 200_000, max_new_tokens=1)
+
+    async def main():
+        paced = FakeVerifier(steps * 5, interval_s=0.05, max_context=max_context)
+        async with running(tmp_path, tok, [paced]) as h:
+            unloaded = await largest_gap(h.stub.Generate(request(max_new_tokens=1)))
+            stream = asyncio.ensure_future(largest_gap(h.stub.Generate(request(max_new_tokens=1))))
+            await asyncio.sleep(0.1)
+            refused = await asyncio.gather(*(status_of(h.stub.Generate(large)) for _ in range(4)))
+            return unloaded, await stream, refused
+
+    unloaded, loaded, refused = asyncio.run(main())
+    assert [code for code, _ in refused] == [grpc.StatusCode.INVALID_ARGUMENT] * 4
+    assert all("context of" in message for _, message in refused)
+    assert loaded < 2 * unloaded, f"largest gap {loaded:.3f} s beside the large prompts, {unloaded:.3f} s without"
 
 
 # ----------------------------------------------------------------------------------------------- the client

@@ -54,6 +54,7 @@ class Stack:
         self.scheduler = verifier.attach(self.target)
         self.scheduler_task = asyncio.ensure_future(self.scheduler.run())
         await self.scheduler.connect(self.link)
+        await self.verifier.set_serving(True)  # as the verifier's main does once loaded: the gateway follows it
         self.gateway_servicer = GatewayServicer(self.target.tokenizer, [self.verifier.address], tracing=self.tracing,
                                                 metrics=self.gateway_metrics)
         self.gateway, ready = await serve_gateway(f"unix://{self.tmp_path}/gateway.sock", self.gateway_servicer)

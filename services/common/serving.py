@@ -78,10 +78,12 @@ def freeze_startup_objects() -> None:
 
 
 class Service:
-    """A started server plus its health status; `ready()` flips health to SERVING."""
+    """A started server plus its health status, for the server ("") and each of its services by name;
+    `ready()` flips health to SERVING."""
 
-    def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, address: str):
-        self.server, self.health, self.address = server, health_servicer, address
+    def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, address: str,
+                 names: list[str] = ()):
+        self.server, self.health, self.address, self.names = server, health_servicer, address, list(names)
 
     async def ready(self) -> None:
         """Startup is done: freeze what it made (freeze_startup_objects), then health SERVING."""
@@ -90,7 +92,12 @@ class Service:
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        await self.health.set("", status)
+        for name in ["", *self.names]:
+            await self.health.set(name, status)
+
+    async def stopping(self) -> None:
+        """NOT_SERVING for good: a later set_serving (a service whose health follows its peers') is ignored."""
+        await self.health.enter_graceful_shutdown()
 
 
 async def start(listen: str, register: Callable[[grpc.aio.Server], list[str]]) -> Service:
@@ -114,7 +121,7 @@ async def start(listen: str, register: Callable[[grpc.aio.Server], list[str]]) -
     except RuntimeError:  # grpcio raises when the address cannot be bound
         raise TreeserveError(f"cannot listen on {address}") from None
     await server.start()
-    service = Service(server, health_servicer, address)
+    service = Service(server, health_servicer, address, names)
     await service.set_serving(False)
     return service
 
@@ -129,7 +136,7 @@ async def run_until_signalled(service: Service, grace_s: float,
     server_done = asyncio.ensure_future(service.server.wait_for_termination())
     await asyncio.wait([server_done, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     log.info("stopping: draining in-flight streams for up to %.0f s", grace_s)
-    await service.set_serving(False)
+    await service.stopping()
     await service.server.stop(grace_s)
     if on_stop is not None:
         await on_stop()

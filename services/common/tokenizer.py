@@ -30,8 +30,15 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """add_special_tokens applies the tokenizer's own post-processing (a BOS where the model wants one)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """add_special_tokens applies the tokenizer's own post-processing (a BOS where the model wants one).
+        encode_batch, unlike encode, releases the GIL: a long text tokenized in a thread leaves the others running."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest token's text: a text of n bytes needs at least n / this many tokens."""
+        texts = self.backend.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        return max(len(text.encode()) for text in texts)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -3,22 +3,30 @@
 One long-lived channel per verifier. A request goes to the verifier with the fewest requests in flight from this
 gateway (one that just failed goes last, ties to the least recently used) and moves on to the next verifier
 while none has answered it yet. Text is streamed as it settles (see TextStream).
+
+Health follows the verifiers: SERVING while at least one verifier's own health says SERVING, NOT_SERVING
+otherwise. A prompt is refused by its size in bytes before tokenizing where it cannot fit the context, and long
+prompts are tokenized in a thread, so one client's large prompts never stall the other streams.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import time
 import uuid
+from typing import Awaitable, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
 from treeserve.detokenize import TextStream
 from treeserve.errors import TreeserveError
-from treeserve.serving import Service, client_options, normalize_address, start
+from treeserve.serving import Service, client_options, freeze_startup_objects, normalize_address, start
 from treeserve.telemetry import GatewayMetrics, Tracing
 from treeserve.tokenizer import Tokenizer
 from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
@@ -31,6 +39,30 @@ PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXH
                   grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE}
 # Failures after which another verifier may take a request that has produced nothing yet.
 TRY_NEXT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# Prompts longer than this (characters) are tokenized in a thread; shorter ones cost less than the hand-off.
+INLINE_TOKENIZE_CHARS = 4096
+HEALTH_RETRY_S = 0.5  # between attempts to watch an unreachable verifier's health
+
+
+class Undecodable:
+    """A request whose bytes do not parse (a string that is not UTF-8, a truncated field): answered with
+    INVALID_ARGUMENT by the handler, where a failing deserializer would give the client UNKNOWN."""
+
+    def __init__(self, message_name: str):
+        self.message_name = message_name
+
+    def error(self) -> str:
+        return f"the request is not a valid {self.message_name}: a string that is not UTF-8, or truncated bytes"
+
+
+def tolerant(message_class):
+    """message_class.FromString, returning an Undecodable instead of raising."""
+    def deserialize(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError:
+            return Undecodable(message_class.DESCRIPTOR.full_name)
+    return deserialize
 
 
 class Verifier:
@@ -44,6 +76,7 @@ class Verifier:
         self.inflight = 0
         self.failed = False  # its last call found it unreachable
         self.last_pick = 0
+        self.serving = False  # its own health says SERVING
 
     async def fetch_info(self, timeout: float) -> None:
         try:
@@ -55,6 +88,27 @@ class Verifier:
         self.failed = False
         log.info("verifier %s: model %s, context %d, drafters: %s", self.address, self.info.model,
                  self.info.max_context, ", ".join(self.info.drafters) or "none")
+
+    async def watch_health(self, on_change: Callable[[], Awaitable[None]]) -> None:
+        """Follows the verifier's health for good; unreachable counts as not serving. Calls on_change on a change."""
+        health = health_pb2_grpc.HealthStub(self.channel)
+        while True:
+            try:
+                async for reply in health.Watch(health_pb2.HealthCheckRequest()):
+                    await self._set_serving(reply.status == health_pb2.HealthCheckResponse.SERVING, on_change)
+            except grpc.aio.AioRpcError as error:
+                log.debug("verifier %s: health: %s: %s", self.address, error.code().name, error.details())
+            await self._set_serving(False, on_change)
+            await asyncio.sleep(HEALTH_RETRY_S)
+
+    async def _set_serving(self, serving: bool, on_change: Callable[[], Awaitable[None]]) -> None:
+        if serving == self.serving:
+            return
+        if serving:  # a verifier back from a restart may serve another model or context
+            await self.fetch_info(timeout=5.0)
+        self.serving = serving
+        log.info("verifier %s: %s", self.address, "SERVING" if serving else "NOT_SERVING")
+        await on_change()
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -70,6 +124,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.max_inflight, self.default_max_new_tokens = max_inflight, default_max_new_tokens
         self.inflight = 0
         self.picks = itertools.count(1)
+        self.watchers: list[asyncio.Task] = []
+        # Few threads: large prompts from one client queue here rather than take every core.
+        self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+        self.bytes_per_token = tokenizer.longest_token_bytes
+
+    @property
+    def serving(self) -> bool:
+        return any(v.serving and v.info is not None for v in self.verifiers)
+
+    def watch_verifiers(self, on_change: Callable[[], Awaitable[None]]) -> None:
+        """Follows every verifier's health; on_change is called whenever one changes."""
+        self.watchers = [asyncio.ensure_future(v.watch_health(on_change)) for v in self.verifiers]
 
     @property
     def info(self) -> verifier_pb2.VerifierServiceGetInfoResponse | None:
@@ -93,7 +159,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         "model?", self.tokenizer.vocab_size, self.info.vocab_size)
 
     async def close(self) -> None:
+        for watcher in self.watchers:
+            watcher.cancel()
         await asyncio.gather(*(v.channel.close() for v in self.verifiers))
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _model_info(self, context) -> verifier_pb2.VerifierServiceGetInfoResponse:
         if self.info is None and not await self.refresh_info():
@@ -102,6 +171,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return self.info
 
     async def GetModelInfo(self, request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error())
         info = await self._model_info(context)
         return gateway_pb2.GetModelInfoResponse(model=info.model, max_context=info.max_context,
                                                 max_new_tokens_limit=info.max_context - 1, max_budget=info.max_budget)
@@ -109,6 +180,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def _prepare(self, request, context) -> tuple[verifier_pb2.VerifierServiceGenerateRequest, TextStream]:
         """The verifier request and the text stream for a valid request; aborts with INVALID_ARGUMENT otherwise."""
         try:
+            if isinstance(request, Undecodable):
+                raise TreeserveError(request.error())
             if not request.prompt:
                 raise TreeserveError("the prompt is empty")
             params = params_from_proto(request.sampling, request.stop, self.default_max_new_tokens)
@@ -117,7 +190,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             budget = request.speculation.budget
             if not request.speculation.disabled and budget > info.max_budget:
                 raise TreeserveError(f"budget must be at most {info.max_budget}, got {budget}")
-            ids = self.tokenizer.encode_prompt(request.prompt, request.chat)
+            self._check_prompt_bytes(request.prompt, params.max_new_tokens, info.max_context)
+            ids = await self._tokenize(request.prompt, request.chat)
             if len(ids) + params.max_new_tokens > info.max_context:
                 raise TreeserveError(f"prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
                                      f"exceeds the model's context of {info.max_context} tokens")
@@ -129,6 +203,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             speculation=request.speculation)
         eos = () if params.ignore_eos else (info.eos_token_ids or self.tokenizer.eos_ids)
         return verifier_request, TextStream(self.tokenizer, {*params.stop_token_ids, *eos}, params.stop_strings)
+
+    def _check_prompt_bytes(self, prompt: str, max_new_tokens: int, max_context: int) -> None:
+        """Refuses, without tokenizing, a prompt of more bytes than the context's room for it could hold."""
+        limit = max(max_context - max_new_tokens, 0) * self.bytes_per_token
+        # Characters never outnumber bytes: a prompt of more characters than the limit is refused unencoded.
+        size = len(prompt) if len(prompt) > limit else len(prompt.encode())
+        if size > limit:
+            raise TreeserveError(f"prompt ({size} bytes or more) plus max_new_tokens ({max_new_tokens}) exceeds the "
+                                 f"model's context of {max_context} tokens: at most {limit} prompt bytes can fit")
+
+    async def _tokenize(self, prompt: str, chat: bool) -> list[int]:
+        if len(prompt) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode_prompt(prompt, chat)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.tokenizer.encode_prompt,
+                                                                prompt, chat)
 
     def _ranked(self) -> list[Verifier]:
         return sorted(self.verifiers, key=lambda v: (v.failed, v.inflight, v.last_pick))
@@ -229,20 +318,46 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
 
 def register(servicer: GatewayServicer):
+    """The generated handlers, but with deserializers that pass undecodable bytes on as Undecodable."""
     def add(server: grpc.aio.Server) -> list[str]:
-        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
-        return [gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name]
+        name = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                servicer.Generate, request_deserializer=tolerant(gateway_pb2.GenerateRequest),
+                response_serializer=gateway_pb2.GenerateResponse.SerializeToString),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                servicer.GetModelInfo, request_deserializer=tolerant(gateway_pb2.GetModelInfoRequest),
+                response_serializer=gateway_pb2.GetModelInfoResponse.SerializeToString),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+        server.add_registered_method_handlers(name, handlers)
+        return [name]
 
     return add
 
 
 async def serve(listen: str, servicer: GatewayServicer) -> tuple[Service, asyncio.Task]:
-    """Starts the gateway; health turns SERVING (in the returned task) once a verifier has answered GetInfo."""
+    """Starts the gateway; the returned task ends once health first turns SERVING. From then on health follows
+    the verifiers': SERVING while one of them is."""
     service = await start(listen, register(servicer))
+    first_serving = asyncio.Event()
+    reported = [False]  # what health says now
+
+    async def follow_verifiers():
+        serving = servicer.serving
+        if serving == reported[0]:
+            return
+        reported[0] = serving
+        await service.set_serving(serving)
+        if serving:
+            first_serving.set()
+        log.info("gateway %s: %s", service.address, "SERVING" if serving else "NOT_SERVING: no verifier is SERVING")
 
     async def become_ready():
         await servicer.wait_for_verifiers()
-        await service.ready()
+        freeze_startup_objects()
+        servicer.watch_verifiers(follow_verifiers)
+        await first_serving.wait()
         log.info("gateway ready on %s", service.address)
 
     return service, asyncio.ensure_future(become_ready())
