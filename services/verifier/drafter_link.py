@@ -176,9 +176,7 @@ class DrafterLink:
             for message in messages:  # all written first: the drafter works through them while the rest travel
                 await self.call.write(message)
             for message in messages:
-                reply = await asyncio.wait_for(self.call.read(), self.timeout_s)
-                if reply is grpc.aio.EOF or reply.round != message.round:
-                    raise ConnectionError("the stream ended or answered out of turn")
+                reply = await self._reply_to(message)
                 trees.update((tree.request_id, DraftTree(list(tree.token_ids), list(tree.parents)))
                              for tree in reply.trees)
                 propose_s += reply.propose_seconds
@@ -194,16 +192,24 @@ class DrafterLink:
         if not self.up or not self.to_drop:
             return
         message = self._new_message()
+        self._add_drops(message)
+        try:
+            await self.call.write(message)
+            await self._reply_to(message)
+        except STREAM_FAILURES as error:
+            self._down(f"dropping finished requests failed: {describe(error)}")
+
+    async def _reply_to(self, message: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:
+        reply = await asyncio.wait_for(self.call.read(), self.timeout_s)
+        if reply is grpc.aio.EOF or reply.round != message.round:
+            raise ConnectionError("the stream ended or answered out of turn")
+        return reply
+
+    def _add_drops(self, message: drafter_pb2.DraftRequest) -> None:
+        """The requests that finished or were cancelled since the last message, for the drafter to forget."""
         for request_id in self.to_drop:
             message.items.add(request_id=request_id, finished=True)
         self.to_drop.clear()
-        try:
-            await self.call.write(message)
-            reply = await asyncio.wait_for(self.call.read(), self.timeout_s)
-            if reply is grpc.aio.EOF or reply.round != message.round:
-                raise ConnectionError("the stream ended or answered out of turn")
-        except STREAM_FAILURES as error:
-            self._down(f"dropping finished requests failed: {describe(error)}")
 
     def _messages(self, requests: dict, trace_contexts: dict[str, dict[str, str]], budgets: dict[str, int]
                   ) -> list[drafter_pb2.DraftRequest]:
@@ -225,9 +231,7 @@ class DrafterLink:
                 waves[wave].append(piece)
             self.sent[request_id] = generation.committed_count
         messages = [self._new_message()]
-        for request_id in self.to_drop:
-            messages[0].items.add(request_id=request_id, finished=True)
-        self.to_drop.clear()
+        self._add_drops(messages[0])
         for wave, pieces in enumerate(waves):
             if wave > 0:
                 messages.append(self._new_message())
