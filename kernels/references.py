@@ -48,6 +48,12 @@ def kv_write_reference(keys: torch.Tensor, values: torch.Tensor, new_keys: torch
     flat_values[slots[real].long()] = new_values[real]
 
 
+def kv_move_reference(cache: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor) -> None:
+    """In place: cache (slabs, slots, row); slot sources[i] to slot targets[i] in every slab, every source read
+    before any target is written."""
+    cache[:, targets.long()] = cache[:, sources.long()]
+
+
 def tree_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_tables: torch.Tensor,
                              prefix_lens: torch.Tensor, tree_sizes: torch.Tensor, tree_mask: torch.Tensor | None,
                              scale: float | None = None) -> torch.Tensor:

@@ -112,3 +112,40 @@ def test_draft_profile_on_the_cpu(tmp_path):
     (row,) = report["rows"]
     assert (row["max_budget"], row["batch"]) == (8, 1)
     assert all(row["ms"][step] > 0 for step in STEPS) and row["ms"]["replay_device"] == 0.0
+
+
+@pytest.mark.slow
+def test_service_profile_on_the_cpu(tmp_path):
+    """A second of each mode through the three services: tokens, the verifier's phases, and (where py-spy is
+    installed) each service's sampled threads."""
+    import shutil
+
+    from treeserve.bench.service_profile import main
+
+    target = tiny_models.write_hf_folder("qwen3", tmp_path / "model", seed=0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "one two three one two three", "chat": False}))
+    assert main(["--target", str(target), "--drafter", "ngram", "--prompts", str(prompts), "--concurrency", "2",
+                 "--seconds", "1", "--max-new-tokens", "16", "--out-dir", str(tmp_path / "out")]) == 0
+    runs = json.loads((tmp_path / "out" / "profile.json").read_text())["runs"]
+    assert [(run["mode"], run["concurrency"]) for run in runs] == [("plain", 2), ("speculative", 2)]
+    assert all(run["tokens_per_s"] > 0 and run["rounds"] > 0 and "verify" in run["round_ms"] for run in runs)
+    assert "draft" in runs[1]["round_ms"]
+    if shutil.which("py-spy"):
+        assert all(run["services"]["verifier"] for run in runs)
+
+
+def test_service_profile_reads_py_spy_stacks(tmp_path):
+    from treeserve.bench.service_profile import summarize_stacks
+
+    raw = tmp_path / "raw.txt"
+    raw.write_text("thread (1): MainThread;run (a.py:1);commit (b.py:2) 3\n"
+                   "thread (1): MainThread;run (a.py:1) 1\n"
+                   "thread (2): worker;wait (c.py:3) 4\n")
+    summary = summarize_stacks(raw)
+    assert list(summary) == ["thread (1): MainThread", "thread (2): worker"]
+    main = summary["thread (1): MainThread"]
+    assert main["share"] == 0.5 and main["samples"] == 4
+    assert main["own"] == [["commit (b.py:2)", 3], ["run (a.py:1)", 1]]
+    assert main["inclusive"] == [["run (a.py:1)", 4], ["commit (b.py:2)", 3]]
+    assert summarize_stacks(tmp_path / "missing.txt") == {}

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 from treeserve.kernels.references import (  # noqa: E402
-    add_rms_norm_reference, kv_write_reference, rms_norm_reference, rope_reference, silu_mul_reference,
+    add_rms_norm_reference, kv_move_reference, kv_write_reference, rms_norm_reference, rope_reference, silu_mul_reference,
     tree_attention_reference)
 from treeserve.kernels.rms_norm import add_rms_norm, rms_norm  # noqa: E402
 from treeserve.kernels.rope import rope  # noqa: E402
@@ -183,6 +183,34 @@ def test_kv_write_equals_reference_and_padding_rows_write_nowhere(num_blocks, bl
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
     assert torch.equal(want_keys.view(-1, kv_heads, head_dim)[untouched], keys.view(-1, kv_heads, head_dim)[untouched])
+
+
+from treeserve.kernels.kv_move import kv_move  # noqa: E402
+
+
+@pytest.mark.parametrize("slabs, slots, row, paths", [
+    (4, 32, 48, [[0, 2, 3]]),  # the path's second node moves onto the slot its third is read from
+    (6, 64, 192, [[0, 1, 5, 9, 10], [0, 3], [0, 7, 8, 15]]),  # several requests' paths, as moves_together joins them
+    (2, 16, 1000, [[0, 4]]),  # a row wider than one block of columns
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_move_equals_reference(slabs, slots, row, paths, dtype):
+    """Each request's accepted path (pending rows, ascending) goes to the first slots after its prefix, in one
+    launch, as the reference's gather-then-scatter does."""
+    g = torch.Generator().manual_seed(row)
+    cache = torch.randn(slabs, slots, row, generator=g).to(dtype)
+    sources, targets, start = [], [], 0
+    for path in paths:  # each request's pending rows begin at its own slot `start`
+        sources += [start + p for p in path]
+        targets += [start + i for i in range(len(path))]
+        start += max(path) + 1
+    sources, targets = torch.tensor(sources), torch.tensor(targets)
+    want = cache.clone()
+    kv_move_reference(want, sources, targets)
+    got = cache.clone().to(DEVICE)
+    kv_move(got, sources.to(DEVICE), targets.to(DEVICE))
+    assert torch.equal(got.cpu(), want)
+    assert not torch.equal(want, cache)  # the case moves something
 
 
 # ---------------------------------------------------------------------------- RMSNorm, RoPE and the activation

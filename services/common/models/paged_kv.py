@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from treeserve.errors import TreeserveError
+from treeserve.kernels.references import kv_move_reference
 from treeserve.models.config import ModelConfig
 
 
@@ -54,18 +55,23 @@ class PagedKVCache:
         self.deferred_moves: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # inside `moves_together`
 
     def move(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        """Copy the keys and values of every layer at slots `source` to slots `target` (host tensors)."""
+        """Copy the keys and values of every layer at slots `source` to slots `target` (host tensors). On a GPU,
+        thousands of moves go in launches one after another, so no move may read a slot that an earlier one writes:
+        an accepted path moved down to the end of its prefix never does, nor do several requests' paths together."""
         if self.deferred_moves is not None:
             self.deferred_moves.append((source, target))
             return
         if self.recorded_moves is not None:
             self.recorded_moves.append((source, target))
-        flat = self.data.flatten(2, 3)  # (2, layers, slots, kv_heads, head_dim)
-        slots = torch.stack([source, target])
-        if flat.is_cuda:  # page-locked: the copy does not make the host wait (a round waits once, for its picks)
-            slots = slots.pin_memory()
-        source, target = slots.to(flat.device, non_blocking=True)
-        flat[:, :, target] = flat[:, :, source]  # indexing copies first: overlaps are safe
+        _, _, blocks, block_size, kv_heads, head_dim = self.data.shape
+        slabs = self.data.view(-1, blocks * block_size, kv_heads * head_dim)  # (2 * layers, slots, row)
+        if not slabs.is_cuda:
+            kv_move_reference(slabs, source, target)
+            return
+        # Page-locked: the copy does not make the host wait (a round waits once, for its picks).
+        source, target = torch.stack([source, target]).pin_memory().to(slabs.device, non_blocking=True)
+        from treeserve.kernels.kv_move import kv_move  # (Triton: imported where a GPU is)
+        kv_move(slabs, source, target)
 
     @contextlib.contextmanager
     def moves_together(self):
