@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 from treeserve.kernels.references import (  # noqa: E402
-    add_rms_norm_reference, kv_move_reference, kv_write_reference, rms_norm_reference, rope_reference, silu_mul_reference,
-    tree_attention_reference)
+    add_rms_norm_reference, kv_move_reference, kv_write_reference, rms_norm_reference, rope_reference,
+    silu_mul_reference, tree_attention_reference)
 from treeserve.kernels.rms_norm import add_rms_norm, rms_norm  # noqa: E402
 from treeserve.kernels.rope import rope  # noqa: E402
 from treeserve.kernels.silu_mul import silu_mul  # noqa: E402
