@@ -168,9 +168,9 @@ class TargetRunner:
     async def forward(self, plans: list[ForwardPlan]) -> tuple[list, list]:
         """forward_batch, its results on the device when this returns, while the loop goes on serving.
 
-        On one GPU the forward is launched from the loop's own thread (graph replays return at once) and only the
-        wait for the device goes to a worker thread: from a worker, each torch call would have to win the GIL
-        back from the loop, busy with the streams. Where the forward blocks, all of it runs on the compute thread:
+        On one GPU the forward is launched from the loop's own thread (graph replays return at once) and the loop
+        polls for its end (`wait_for_device`): from a worker, each torch call would have to win the GIL back from
+        the loop, busy with the streams. Where the forward blocks, all of it runs on the compute thread:
         on the CPU, which computes as it is called, and under tensor parallelism, where a collective with a dead
         rank may never return and the loop must stay free to notice and fail the streams."""
         self.in_flight = True
@@ -181,13 +181,29 @@ class TargetRunner:
             found = forward_batch(*args)
             finished = torch.cuda.Event()
             finished.record()
-            await asyncio.to_thread(finished.synchronize)
+            await wait_for_device(finished)
             return found
         finally:
             self.in_flight = False
             for generation in self.release_after:
                 generation.release()
             self.release_after.clear()
+
+
+# How long the loop polls for a forward's end before it waits in a thread: longer than a small target's round.
+DEVICE_POLL_S = 0.02
+
+
+async def wait_for_device(finished: torch.cuda.Event) -> None:
+    """Until the device has passed `finished`, serving the streams meanwhile. The loop polls, yielding to every
+    other task between polls: a wait in a worker thread ends in a wake-up of the loop's thread, a visible part of
+    a small target's round; a forward that runs long (a batch of long prompts) is waited for in a thread."""
+    deadline = time.perf_counter() + DEVICE_POLL_S
+    while not finished.query():
+        if time.perf_counter() > deadline:
+            await asyncio.to_thread(finished.synchronize)
+            return
+        await asyncio.sleep(0)
 
 
 async def speculative_round(running: dict[str, Running], speculation: Speculation, runner: TargetRunner,
