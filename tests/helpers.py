@@ -16,7 +16,7 @@ from treeserve.bench.near_ties import logit_gap
 from treeserve.cli.launcher import Stack
 from treeserve.divergence import first_divergence
 from treeserve.params import GenerationParams
-from treeserve.serving import free_port
+from treeserve.serving import client_options, free_port
 from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 from treeserve.verifier import generate
 
@@ -59,7 +59,7 @@ def request(prompt: str, max_new_tokens: int, **speculation) -> gateway_pb2.Gene
 
 
 async def collect(address: str, message) -> tuple[list[int], gateway_pb2.GenerateResponse]:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with grpc.aio.insecure_channel(address, options=client_options()) as channel:
         tokens, final = [], None
         async for reply in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(message):
             tokens.extend(reply.token_ids)

@@ -14,6 +14,7 @@ import tiny_models
 from helpers import (NOT_SERVING, PROMPTS, SERVING, Services, collect, expected, health, request, run_all, scrape,
                      wait_for)
 from treeserve.loading import load_target
+from treeserve.serving import client_options
 from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -156,7 +157,7 @@ def test_sigterm_drains_in_flight_streams(services, target):
     want = expected(target, prompt, 200)
 
     async def stream_and_stop(name, address, stub_class, message):
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with grpc.aio.insecure_channel(address, options=client_options()) as channel:
             return await drain_during_a_stream(services.process(name), address,
                                                stub_class(channel).Generate(message))
 
