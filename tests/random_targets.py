@@ -1,4 +1,5 @@
-"""Tiny randomly initialised targets built directly in memory, plus test drafters, for engine tests.
+"""Tiny randomly initialised targets built directly in memory, plus test drafters and random requests in a paged
+pool, for engine and graph tests.
 
 (The loader tests build their tiny models through transformers and real files; the engine only needs a model
 and a tokenizer, so these skip the files to stay fast.)
@@ -13,6 +14,7 @@ import torch
 from tokenizers import models, pre_tokenizers
 
 from treeserve.models import DecoderLM, KVCache, ModelConfig, RopeScaling, TreeAttention
+from treeserve.models.paged_kv import PagedKVCache
 from treeserve.tokenizer import Tokenizer
 from treeserve.tree import DraftTree, TokenContext, TokenDrafter
 
@@ -53,18 +55,19 @@ def random_target(case: str, seed: int = 0, vocab_size: int = 96, weight_scale: 
 
 class RandomTreeDrafter(TokenDrafter):
     """Random trees (random shape, random tokens) with the true continuation hidden along one branch with
-    probability `oracle_rate`; `continuation(context)` supplies the target's own next tokens."""
+    probability `oracle_rate`; `continuation(context)` supplies the target's own next tokens. Trees have a random
+    number of nodes up to the budget, or (`full`) always the whole budget."""
 
     name = "random-tree"
 
-    def __init__(self, continuation, vocab_size: int, seed: int = 0, oracle_rate: float = 0.8):
+    def __init__(self, continuation, vocab_size: int, seed: int = 0, oracle_rate: float = 0.8, full: bool = False):
         self.continuation, self.vocab_size = continuation, vocab_size
         self.rng = random.Random(seed)
-        self.oracle_rate = oracle_rate
+        self.oracle_rate, self.full = oracle_rate, full
 
     def tree(self, context: TokenContext, budget: int) -> DraftTree:
         rng = self.rng
-        size = rng.randint(1, budget)
+        size = budget if self.full else rng.randint(1, budget)
         tokens, parents = [context.tokens[-1]], [-1]
         if rng.random() < self.oracle_rate:
             truth = self.continuation(context.tokens)[:rng.randint(0, size)]
@@ -87,6 +90,29 @@ class RandomTreeDrafter(TokenDrafter):
         while parents[i] >= 0:
             i, depth = parents[i], depth + 1
         return depth
+
+
+def random_tree(size: int, rng: random.Random, vocab: int) -> DraftTree:
+    parents = [-1] + [rng.randrange(i) for i in range(1, size)]
+    return DraftTree([rng.randrange(vocab) for _ in range(size)], parents)
+
+
+def requests_in(pool: PagedKVCache, prefix_lens: list[int], tree_sizes: list[int], seed: int):
+    """Sequences with committed prefixes of random keys/values, and a random tree for each: (sequences, tokens,
+    positions, masks), as TreeVerifier.verify takes them."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    sequences, trees = [], []
+    for prefix, size in zip(prefix_lens, tree_sizes):
+        sequence = pool.sequence()
+        slots = sequence.reserve(prefix).to(pool.data.device)
+        flat = pool.data.flatten(2, 3)
+        flat[:, :, slots] = torch.randn(flat[:, :, slots].shape, generator=g).to(flat)
+        sequence.keep(list(range(prefix)))
+        sequences.append(sequence)
+        trees.append(random_tree(size, rng, vocab=96))
+    tokens = [tree.tokens for tree in trees]
+    positions = [torch.tensor(tree.depths()) + s.length for tree, s in zip(trees, sequences)]
+    return sequences, tokens, positions, [tree.ancestor_mask() for tree in trees]
 
 
 def random_dflash_drafter(target: DecoderLM, tree: str, seed: int = 0, block_size: int = 6):

@@ -9,36 +9,13 @@ import random
 import pytest
 import torch
 
-from random_targets import random_target
+from random_targets import random_target, requests_in
 from treeserve.errors import TreeserveError
 from treeserve.models.paged_kv import PagedKVCache
-from treeserve.tree import DraftTree
 from treeserve.models.graphs import PagedRunner, TreeRows, buckets_up_to, padded_rows, stage_trees
 from treeserve.verifier.graphs import TREE_BUCKETS, TreeVerifier
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def random_tree(size: int, rng: random.Random, vocab: int) -> DraftTree:
-    parents = [-1] + [rng.randrange(i) for i in range(1, size)]
-    return DraftTree([rng.randrange(vocab) for _ in range(size)], parents)
-
-
-def requests_in(pool: PagedKVCache, prefix_lens: list[int], tree_sizes: list[int], seed: int):
-    """Sequences with committed prefixes of random keys/values, and a random tree for each."""
-    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
-    sequences, trees = [], []
-    for prefix, size in zip(prefix_lens, tree_sizes):
-        sequence = pool.sequence()
-        slots = sequence.reserve(prefix).to(pool.data.device)
-        flat = pool.data.flatten(2, 3)
-        flat[:, :, slots] = torch.randn(flat[:, :, slots].shape, generator=g).to(flat)
-        sequence.keep(list(range(prefix)))
-        sequences.append(sequence)
-        trees.append(random_tree(size, rng, vocab=96))
-    tokens = [tree.tokens for tree in trees]
-    positions = [torch.tensor(tree.depths()) + s.length for tree, s in zip(trees, sequences)]
-    return sequences, tokens, positions, [tree.ancestor_mask() for tree in trees]
 
 
 def test_buckets_cover_every_budget_and_end_at_the_maxima():
@@ -198,6 +175,7 @@ def test_graph_replay_equals_eager_in_every_bucket(case, dtype):
             assert torch.equal(got_rows.argmax(-1)[clear], want_rows.argmax(-1)[clear])
         for sequence in requests[0]:
             sequence.release()
+    assert dict(graphs.runner.forwards) == dict.fromkeys(graphs.runner.buckets, 1)  # each bucket replayed once
     assert pool.allocator.free_count == pool.allocator.num_blocks
 
 

@@ -182,6 +182,34 @@ def test_cancelling_a_request_frees_it_and_others_finish(tmp_path, target):
     assert allocator.free_count == allocator.num_blocks  # every KV block came back
 
 
+def test_a_batch_never_grows_past_max_batch(tmp_path, target):
+    """--max-batch is also the largest batch the CUDA graphs are captured for: requests beyond it wait for a place
+    rather than make a forward no graph holds (TreeVerifier runs one eagerly; tests/test_graphs_at_scale.py)."""
+    prompts = repetitive_prompts(7, seed=9)
+
+    async def main():
+        service, scheduler, task = await start_verifier(tmp_path, target, [], max_batch=3)
+        batches = []
+        forward = scheduler.runner.forward
+
+        async def counting_forward(plans):
+            batches.append(len(plans))
+            return await forward(plans)
+
+        scheduler.runner.forward = counting_forward
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            results = await asyncio.gather(*(collect(stub, request(p)) for p in prompts))
+        task.cancel()
+        await service.server.stop(0)
+        return results, batches
+
+    results, batches = asyncio.run(main())
+    for prompt, (tokens, _) in zip(prompts, results):
+        assert tokens == expected(target, prompt)
+    assert max(batches) == 3
+
+
 def test_requests_wait_for_kv_room_and_one_too_large_is_refused(tmp_path, target):
     """A pool of 96 tokens holds one request of up to 96 (prompt + 40 new + budget 8) at a time: four
     requests each get the target's output, one after another, and one that could never fit is refused."""

@@ -28,6 +28,11 @@ log = logging.getLogger("treeserve")
 
 # Servers and clients alike: room for large messages (DFlash target features travel on the Draft stream).
 MESSAGE_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+# Clients: no BDP probe, the PING a client writes as data arrives. Written just after a server that drained its last
+# stream on SIGTERM has closed the connection, it fails the connection before the frames already received are
+# read: that stream's final messages are lost and the call ends UNAVAILABLE ("Broken pipe"). What a treeserve
+# client receives is small (tokens, trees), so probing for a larger window gains nothing.
+NO_BDP_PROBE = [("grpc.http2.bdp_probe", 0)]
 
 
 def free_port() -> int:
@@ -40,8 +45,9 @@ def free_port() -> int:
 def client_options(max_reconnect_backoff_s: float = 5.0) -> list[tuple[str, int]]:
     """Options for a channel to a peer service. gRPC's own reconnect backoff grows to minutes; capping it means
     a peer that comes back is found within seconds."""
-    return MESSAGE_OPTIONS + [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                              ("grpc.max_reconnect_backoff_ms", int(max_reconnect_backoff_s * 1000))]
+    return MESSAGE_OPTIONS + NO_BDP_PROBE + [
+        ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", int(max_reconnect_backoff_s * 1000))]
 
 
 def default_address(service: str) -> str:

@@ -11,7 +11,7 @@ import grpc
 
 from treeserve.errors import TreeserveError
 from treeserve.params import GenerationParams
-from treeserve.serving import default_address, normalize_address
+from treeserve.serving import MESSAGE_OPTIONS, NO_BDP_PROBE, default_address, normalize_address
 from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 from treeserve.wire import FINISH_REASONS, params_to_proto
 
@@ -30,7 +30,8 @@ async def generate_via_gateway(address: str, prompt: str, params: GenerationPara
         speculation=generation_pb2.SpeculationParams(disabled=not drafter_enabled, budget=budget or 0))
     token_ids, texts, final, first_token_s = [], [], None, None
     started = time.perf_counter()
-    async with grpc.aio.insecure_channel(normalize_address(address)) as channel:
+    options = MESSAGE_OPTIONS + NO_BDP_PROBE  # the gateway may be draining this stream (serving.NO_BDP_PROBE)
+    async with grpc.aio.insecure_channel(normalize_address(address), options=options) as channel:
         async for reply in gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request, timeout=timeout):
             if reply.token_ids and first_token_s is None:
                 first_token_s = time.perf_counter() - started

@@ -14,6 +14,7 @@ a test replays every bucket against eager execution.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import time
@@ -163,6 +164,9 @@ class PagedRunner:
         self.staging_copied = ([torch.cuda.Event() for _ in range(self.STAGING_BUFFERS)]
                                if self.device.type == "cuda" else None)
         self.staged_in = 0  # the buffers the last forward was staged in
+        # Forwards run, by the bucket whose graph replayed them (None: eagerly), so that tests and benches can tell
+        # which way a batch went.
+        self.forwards: collections.Counter = collections.Counter()
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -259,6 +263,7 @@ class PagedRunner:
         """Run staged rows (host tensors): replay the graph of bucket `key`, or eagerly when `key` is None."""
         batch = staged.paged.batch
         rows = staged.tokens.shape[0] // batch
+        self.forwards[key] += 1
         if key is None:
             on_device = staged.to(self.device, non_blocking=True)
             self._copied()
