@@ -208,7 +208,7 @@ def play_until_given_up(adaptive: AdaptiveSpeculation, ids: list[str], batch: in
     """Plain rounds of `batch` requests until drafting is given up at their bucket; how many it took."""
     for rounds in range(1, 10_000):
         assert budget(adaptive, {i: 16 for i in ids}, batch=batch) == 0
-        if adaptive.drafting_kept(batch, features=True) is not None:
+        if adaptive.drafting_kept(batch) is not None:
             return rounds
     raise AssertionError("never given up")
 
@@ -222,34 +222,33 @@ def test_new_requests_decode_plainly_where_drafting_has_stopped_paying():
     ids = [f"r{i}" for i in range(64)]
     costs(adaptive, 64, {1: 11.0, 2: 12.0, 3: 13.0, 5: 14.0, 9: 16.0, 17: 20.0}, draft_ms=250.0)
     accept(adaptive, ids, 16, 1)  # trees accept nothing: a DFlash drafter that does not pay at 64 requests
-    assert adaptive.admits_drafting(64, features=True) and adaptive.drafting_kept(64, features=True) is None
+    assert adaptive.admits_drafting(64) and adaptive.drafting_kept(64) is None
     rounds = play_until_given_up(adaptive, ids, 64)
     assert abs(rounds * 0.011 - after_s) < 0.011 * (AdaptiveSpeculation.REUSE_PLAIN + 1)
     every = CANARY_EVERY
-    assert [adaptive.admits_drafting(60, features=True) for _ in range(2 * every)] == ([False] * (every - 1) + [True]) * 2
-    assert adaptive.admits_drafting(3, features=True)  # another batch bucket: nothing said against drafting there
+    assert [adaptive.admits_drafting(60) for _ in range(2 * every)] == ([False] * (every - 1) + [True]) * 2
+    assert adaptive.admits_drafting(3)  # another batch bucket: nothing said against drafting there
     # Running requests of such a batch stop drafting too, but for one in CANARY_EVERY (at least one).
-    assert adaptive.drafting_kept(64, True) == 64 // every and adaptive.drafting_kept(40, True) == 40 // every
-    assert adaptive.drafting_kept(3, True) is None
+    assert adaptive.drafting_kept(64) == 64 // every and adaptive.drafting_kept(40) == 40 // every
+    assert adaptive.drafting_kept(3) is None
     costs(adaptive, 4, {1: 11.0, 17: 20.0}, draft_ms=250.0)
     play_until_given_up(adaptive, ids[:4], 4)
-    assert adaptive.drafting_kept(3, True) == 1
+    assert adaptive.drafting_kept(3) == 1
     # Four requests still draft (canaries), and their trees now accept well: were everyone drafting, it would pay.
     costs(adaptive, 64, {1: 11.0, 2: 11.2, 3: 11.4, 5: 11.6, 9: 12.0, 17: 13.0}, draft_ms=1.0,
           samples=RecentCost.WINDOW)
     accept(adaptive, ids[:4], 16, 9, rounds=20)
     adaptive.choose({i: 16 for i in ids[:4]}, batch=64)
-    assert adaptive.admits_drafting(64, features=True) and adaptive.drafting_kept(64, features=True) is None
+    assert adaptive.admits_drafting(64) and adaptive.drafting_kept(64) is None
 
 
-def test_a_lone_request_is_not_given_up_where_drafting_costs_nothing_in_plain_rounds():
-    """Without target features to keep (n-gram lookup, a draft model), drafting is given up from two requests up but
-    not for one request alone, however long drafting has not paid there."""
+def test_a_lone_request_is_never_given_up():
+    """Drafting is given up from two requests up but not for one request alone, however long drafting has not paid
+    there: a lone request's drafting costs no one else."""
     adaptive = AdaptiveSpeculation(give_up_after_s=0.0)  # given up everywhere from the start
-    assert adaptive.drafting_kept(1, features=True) == 1 and adaptive.drafting_kept(2, features=True) == 1
-    assert adaptive.drafting_kept(1, features=False) is None and adaptive.drafting_kept(2, features=False) == 1
-    assert all(adaptive.admits_drafting(1, features=False) for _ in range(2 * CANARY_EVERY))
-    assert not adaptive.admits_drafting(2, features=False)
+    assert adaptive.drafting_kept(1) is None and adaptive.drafting_kept(2) == 1
+    assert all(adaptive.admits_drafting(1) for _ in range(2 * CANARY_EVERY))
+    assert not adaptive.admits_drafting(2)
 
 
 def test_a_stretch_of_misses_does_not_stop_trees_that_pay_on_average():

@@ -300,7 +300,7 @@ def test_a_lone_request_of_a_drafter_without_features_is_not_given_up(tmp_path, 
 class AdmitsEveryone(AdaptiveSpeculation):
     """Adaptive speculation that admits every request drafting, wherever it has given drafting up."""
 
-    def admits_drafting(self, batch, features):
+    def admits_drafting(self, batch):
         return True
 
 

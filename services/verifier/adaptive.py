@@ -332,9 +332,9 @@ class GiveUp:
     would not speculate even were every request drafting), new requests there decode plainly but for one in
     CANARY_EVERY, which keeps drafting so that speculation is tried again; running requests stop drafting but for
     the newest one in CANARY_EVERY. A request that could draft costs even in plain rounds where the drafters
-    condition on target features (it keeps them). Where they do not (`features` False), a lone request is never
-    given up: that would save no one else's time, only the tries (which Exploration bounds), and take the
-    stretches that pay, which come in bursts within a request."""
+    condition on target features (it keeps them, and its batch waits on their copies). A lone request is never
+    given up: that would save no one else's time, only the tries (which Exploration bounds) and, with features,
+    one request's copies of its own rows, and take the stretches that pay, which come in bursts within a request."""
 
     CANARY_EVERY = 16
 
@@ -354,20 +354,20 @@ class GiveUp:
                      "requests there decode plainly, but for one in %d", bucket, self.unpaid_s[bucket],
                      self.CANARY_EVERY)
 
-    def gave_up(self, batch: int, features: bool) -> bool:
+    def gave_up(self, batch: int) -> bool:
         bucket = batch_bucket(batch)
-        if bucket == 1 and not features:
+        if bucket == 1:
             return False
         return self.unpaid_s.get(bucket, 0.0) >= self.after_s
 
-    def admits_drafting(self, batch: int, features: bool) -> bool:
-        if not self.gave_up(batch, features):
+    def admits_drafting(self, batch: int) -> bool:
+        if not self.gave_up(batch):
             return True
         self.plain_admissions += 1
         return self.plain_admissions % self.CANARY_EVERY == 0
 
-    def drafting_kept(self, batch: int, features: bool) -> int | None:
-        return max(1, batch // self.CANARY_EVERY) if self.gave_up(batch, features) else None
+    def drafting_kept(self, batch: int) -> int | None:
+        return max(1, batch // self.CANARY_EVERY) if self.gave_up(batch) else None
 
 
 class AdaptiveSpeculation:
@@ -431,11 +431,11 @@ class AdaptiveSpeculation:
         realized = max(0, report.tokens - len(report.requests))
         return batch_bucket(report.batch), self.acceptance.calibrate(report.batch, realized, choice.expected_drafted)
 
-    def admits_drafting(self, batch: int, features: bool) -> bool:
-        return self.give_up.admits_drafting(batch, features)
+    def admits_drafting(self, batch: int) -> bool:
+        return self.give_up.admits_drafting(batch)
 
-    def drafting_kept(self, batch: int, features: bool) -> int | None:
-        return self.give_up.drafting_kept(batch, features)
+    def drafting_kept(self, batch: int) -> int | None:
+        return self.give_up.drafting_kept(batch)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)

@@ -117,11 +117,10 @@ class Speculation(Protocol):
     def observe(self, report: RoundReport) -> tuple[int, float] | None:
         """Learn from a round; where it checked its model, (batch bucket, realized over expected tokens)."""
 
-    def admits_drafting(self, batch: int, features: bool) -> bool:
-        """Whether a new request that asks for trees, making a batch of `batch`, drafts (`features`: the
-        drafters condition on target features, which a drafting request keeps even in plain rounds)."""
+    def admits_drafting(self, batch: int) -> bool:
+        """Whether a new request that asks for trees, making a batch of `batch`, drafts."""
 
-    def drafting_kept(self, batch: int, features: bool) -> int | None:
+    def drafting_kept(self, batch: int) -> int | None:
         """How many of a batch's drafting requests go on drafting; None: all."""
 
     def forget(self, request_id: str) -> None:
@@ -137,10 +136,10 @@ class FixedSpeculation:
     def observe(self, report: RoundReport) -> tuple[int, float] | None:
         return None
 
-    def admits_drafting(self, batch: int, features: bool) -> bool:
+    def admits_drafting(self, batch: int) -> bool:
         return True
 
-    def drafting_kept(self, batch: int, features: bool) -> int | None:
+    def drafting_kept(self, batch: int) -> int | None:
         return None
 
     def forget(self, request_id: str) -> None:

@@ -91,7 +91,7 @@ class Scheduler:
         """Whether a new request that asks for trees should draft (not where the policy finds that drafting has
         stopped paying at the batch it joins)."""
         joining = min(self.max_batch, len(self.running) + len(self.waiting) + 1)
-        if self.speculation.admits_drafting(joining, bool(self.feature_layer_ids)):
+        if self.speculation.admits_drafting(joining):
             return True
         self.metrics.plain_admissions.inc()
         return False
@@ -205,7 +205,7 @@ class Scheduler:
         plainly from now on, as new ones are admitted, but for the newest few it keeps: a request that could draft
         costs even in plain rounds (its kept features, its place in each choice), and the requests admitted
         drafting before a batch filled up would otherwise stay most of its drafting ones."""
-        kept = self.speculation.drafting_kept(len(self.running), bool(self.feature_layer_ids))
+        kept = self.speculation.drafting_kept(len(self.running))
         if kept is None:
             return
         drafting = [request_id for request_id, entry in self.running.items() if entry.link is not None]
