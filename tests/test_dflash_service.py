@@ -182,9 +182,9 @@ def test_features_of_plain_rounds_reach_the_drafter_when_it_next_drafts(tmp_path
 
 def test_where_drafting_has_stopped_paying_new_requests_decode_plainly(tmp_path, target):
     """With adaptive speculation finding that drafting does not pay at any batch size (a DFlash drafter's request
-    keeps its target features, so it costs even in plain rounds, alone too), requests that ask for trees are
-    admitted decoding plainly (no drafts, none of a drafting request's bookkeeping), but for one in CANARY_EVERY,
-    and stream the target's own tokens either way."""
+    keeps its target features, so it costs the others even in plain rounds), requests that ask for trees and join
+    a running one are admitted decoding plainly (no drafts, none of a drafting request's bookkeeping), but for
+    one in CANARY_EVERY, and stream the target's own tokens either way."""
     every = AdaptiveSpeculation().give_up.CANARY_EVERY
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(every)]
     drafter = recording_drafter(target)
@@ -197,7 +197,15 @@ def test_where_drafting_has_stopped_paying_new_requests_decode_plainly(tmp_path,
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as refused:  # checked before it counts as an admission
                 await collect(stub, request([]))
+            # A plain request runs throughout, so that each of the others joins a batch of two (a lone request is
+            # never given up).
+            beside = request(PROMPTS[0], 480)
+            beside.speculation.disabled = True
+            companion = stub.Generate(beside)
+            await companion.read()
             outputs = [await collect(stub, request(prompt, 16)) for prompt in prompts]  # one at a time
+            assert (await companion.read()).token_ids  # still running
+            companion.cancel()
         await stop_all(task, verifier, link, drafter_service)
         return outputs, scheduler, refused.value
 
