@@ -241,6 +241,54 @@ class DFlashRequest:
 
 
 
+class RoundInputs:
+    """What the drafter's graphs read each round besides the pool and the block rows, on the device: each
+    request's budget (0 for padding requests) and the context rows the block forward first writes (their slots,
+    -1 for none, positions and features), back to back from row 0. Filled from host buffers allocated once,
+    page-locked on a GPU so that the copies in are queued without the host waiting for them (on the CPU, the device
+    tensors themselves); refilling them waits only for the last copies out of them, normally long done."""
+
+    def __init__(self, max_batch: int, rows: int, feature_size: int, dtype: torch.dtype, device: torch.device):
+        self.on_gpu = device.type == "cuda"
+        # The long inputs share one buffer, so that a round copies them in at once.
+        longs = torch.zeros(max_batch + 2 * rows, dtype=torch.long)
+        longs[max_batch:max_batch + rows] = -1  # no slots: nothing to write
+        self.longs = longs.to(device)
+        self.budgets, self.slots, self.positions = self.longs.split([max_batch, rows, rows])
+        self.features = torch.zeros(rows, feature_size, dtype=dtype, device=device)
+        self.host_longs = longs.pin_memory() if self.on_gpu else self.longs
+        self.host_features = self.features.cpu().pin_memory() if self.on_gpu else self.features
+        self.copied = torch.cuda.Event() if self.on_gpu else None
+
+    def stage(self, budgets: list[int], parts: list[tuple[torch.Tensor, np.ndarray, torch.Tensor]]) -> None:
+        """This round's budgets and context rows (parts of (slots, positions, features) in turn), copied in."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        budgets_np, slots_np, positions_np = (t.numpy() for t in self.host_longs.split(
+            [len(self.budgets), len(self.slots), len(self.positions)]))
+        rows = sum(len(slots) for slots, _, _ in parts)
+        if len(budgets) > len(budgets_np) or rows > len(slots_np):
+            raise TreeserveError(f"dflash: {len(budgets)} budgets and {rows} context rows do not fit the round's "
+                                 f"inputs ({len(budgets_np)} and {len(slots_np)})")
+        budgets_np[:len(budgets)], budgets_np[len(budgets):] = budgets, 0
+        if parts:
+            slots_np[:rows] = np.concatenate([slots.numpy() for slots, _, _ in parts])
+            positions_np[:rows] = np.concatenate([positions for _, positions, _ in parts])
+        slots_np[rows:], positions_np[rows:] = -1, 0
+        features = [part_features for _, _, part_features in parts]
+        on_host = all(f.device.type == "cpu" for f in features)
+        if features:
+            if on_host:
+                torch.cat(features, out=self.host_features[:rows])
+            else:  # in process on a GPU: the target's features are there already
+                self.features[:rows] = torch.cat([f.to(self.features.device) for f in features])
+        if self.on_gpu:
+            self.longs.copy_(self.host_longs, non_blocking=True)
+            if features and on_host:
+                self.features[:rows].copy_(self.host_features[:rows], non_blocking=True)
+            self.copied.record()
+
+
 # Context tokens the drafter's pool holds over all requests, unless told (per token: 2 x layers x kv heads x
 # head_dim values, about 1.5 KB for the shipped SmolLM2 drafter in bfloat16).
 DEFAULT_CONTEXT_TOKENS = {"cpu": 32768, "cuda": 262144}
@@ -278,8 +326,6 @@ class DFlashDrafter:
         # position's top max_budget tokens (trees.py says why), and holds at most every possible node.
         self.top_k = 1 if tree == "chain" else min(max_budget, embedding.shape[0])
         self.tree_width = min(max_budget, possible_nodes(cfg.block_size - 1, self.top_k))
-        # Each request's budget, written before every block forward, which reads it (padding requests: 0).
-        self.budgets = torch.zeros(max_batch, dtype=torch.long, device=device)
         tokens = kv_cache_tokens or DEFAULT_CONTEXT_TOKENS[device.type]
         # Kept free for the block rows of a round (each request's block spills into one more pool block at most),
         # so proposing never runs out of blocks: contexts that would eat into this are refused in extend().
@@ -289,12 +335,9 @@ class DFlashDrafter:
         self.block_mask = np.ones((cfg.block_size, cfg.block_size), dtype=np.int8)  # a block sees all of itself
         self.runner = PagedRunner(self.pool, self._block_forward, max_batch, [cfg.block_size],
                                   max_context or cfg.layers.max_context, graphs, request_outputs=1)
-        # The block forward first writes each request's new context rows, up to block_size of them in its share
-        # of these inputs (slot -1: nothing), so that a round's context write is part of the one graph replay.
-        rows = max_batch * cfg.block_size
-        self.context_features = torch.zeros(rows, cfg.feature_size, dtype=model.dtype, device=device)
-        self.context_slots = torch.full((rows,), -1, dtype=torch.long, device=device)
-        self.context_positions = torch.zeros(rows, dtype=torch.long, device=device)
+        # The block forward first writes the round's new context rows, up to block_size per request, so that a
+        # round's context write is part of its graph replay.
+        self.inputs = RoundInputs(max_batch, max_batch * cfg.block_size, cfg.feature_size, model.dtype, device)
         self.unwritten: dict[int, DFlashRequest] = {}  # id -> a context with rows not written yet
 
     @classmethod
@@ -306,7 +349,7 @@ class DFlashDrafter:
                    max_context=target_model.config.max_context, **options)
 
     def capture(self) -> None:
-        self.context_slots.fill_(-1)  # the captures run the forward for real: it must write nothing
+        self.inputs.slots.fill_(-1)  # the captures run the forward for real: it must write nothing
         seconds = self.runner.capture()
         log.info("captured %d CUDA graphs of the DFlash block forward and trees (batch up to %d) in %.1f s",
                  len(self.runner.graphs), self.runner.max_batch, seconds)
@@ -357,43 +400,26 @@ class DFlashDrafter:
         self.unwritten.pop(id(context), None)
         return parts
 
-    def _stage_context_rows(self, contexts: list[DFlashRequest]) -> None:
-        """Place each context's unwritten rows in its share of the block forward's context inputs; a context
-        with more than block_size of them (a prompt) is written eagerly first."""
+    def _stage_round(self, contexts: list[DFlashRequest], budgets: list[int]) -> None:
+        """The round's budgets and every context's unwritten rows, in the graphs' inputs; a context with more than
+        block_size of them (a prompt) is written eagerly first, so that the rest fit any bucket that holds the
+        batch."""
         block = self.model.config.block_size
         self.write_context([context for context in contexts if context.unwritten_rows > block])
-        starts, parts = [], []
-        for index, context in enumerate(contexts):
-            row = index * block
-            for part in self._take_unwritten(context):
-                starts.append(row)
-                parts.append(part)
-                row += len(part[0])
-        slots = torch.full((len(self.context_slots),), -1, dtype=torch.long)
-        positions = torch.zeros(len(self.context_positions), dtype=torch.long)
-        if parts:
-            counts = np.array([len(part[0]) for part in parts])
-            rows = torch.from_numpy(np.repeat(np.array(starts) - np.cumsum(counts) + counts, counts)
-                                    + np.arange(counts.sum()))
-            new_slots, new_positions, features = zip(*parts)
-            slots[rows], positions[rows] = torch.cat(new_slots), torch.from_numpy(np.concatenate(new_positions))
-            features = torch.cat(features)
-            self.context_features.index_copy_(0, rows.to(self.context_features.device),
-                                              features.to(self.context_features.device, self.context_features.dtype))
-        self.context_slots.copy_(slots)
-        self.context_positions.copy_(positions)
+        self.inputs.stage(budgets, [part for context in contexts for part in self._take_unwritten(context)])
 
     def _block_forward(self, rows: TreeRows):
         """Log-probabilities (rows, vocab) of every block row and each request's tree, packed as
         trees.ddtree_select packs it, after writing the round's context rows: the one forward a graph captures."""
         batch = rows.paged.batch
         staged = slice(0, batch * self.model.config.block_size)
-        self.model.write_context(self.pool, self.context_slots[staged], self.context_positions[staged],
-                                 self.context_features[staged], self.kernels)
+        inputs = self.inputs
+        self.model.write_context(self.pool, inputs.slots[staged], inputs.positions[staged],
+                                 inputs.features[staged], self.kernels)
         log_probs = self.row_log_probs(rows)
         drafted = log_probs.view(batch, -1, log_probs.shape[-1])[:, 1:]  # the positions after each root
         top = drafted.topk(self.top_k, dim=-1)
-        packed, _ = ddtree_select(top.values, top.indices, self.budgets[:batch], self.tree_width)
+        packed, _ = ddtree_select(top.values, top.indices, self.inputs.budgets[:batch], self.tree_width)
         return log_probs, packed
 
     def row_log_probs(self, rows: TreeRows) -> torch.Tensor:
@@ -406,10 +432,9 @@ class DFlashDrafter:
     def _run_block(self, contexts: list[DFlashRequest], budgets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The block forward of these contexts (at most max_batch): their log-probabilities (B, block_size,
         vocab) and packed trees (B, 1 + 2 * tree_width)."""
-        self._stage_context_rows(contexts)
+        self._stage_round(contexts, budgets)
         block, mask_token = self.model.config.block_size, self.model.config.mask_token_id
         sequences = [context.sequence for context in contexts]
-        self.budgets.copy_(torch.tensor(budgets + [0] * (len(self.budgets) - len(budgets))))
         log_probs, packed = self.runner.run(
             sequences, [[context.tokens[-1]] + [mask_token] * (block - 1) for context in contexts],
             [np.arange(s.length, s.length + block) for s in sequences], [self.block_mask] * len(contexts))
