@@ -361,6 +361,38 @@ def test_a_batch_of_requests_drafts_what_each_would_alone(tree):
         together.propose(contexts[:1], [129])
 
 
+def test_each_round_searches_at_the_narrowest_width_that_holds_its_budgets_and_gets_the_widest_trees():
+    """Widths are the powers of two from 16 up to the widest tree (and it); a round takes the narrowest that holds
+    its largest budget, and every width that holds the budgets gives the widest's trees."""
+    from treeserve.drafter.dflash import DFlashDrafter
+    from treeserve.drafter.trees import unpack_trees
+
+    target = random_target("qwen3", seed=8, vocab_size=VOCAB, weight_scale=0.5)  # flat: wide trees, near-ties
+    drafter = random_dflash_drafter(target, "ddtree", seed=2)
+    assert drafter.tree_widths == [16, 32, 64, 128]
+    assert [drafter.width_for(b) for b in (0, 1, 16, 17, 64, 100, 128)] == [16, 16, 16, 32, 64, 128, 128]
+    model, head = drafter.model, (target.model.embed_tokens.weight, target.lm_head.weight)
+    assert DFlashDrafter(model, *head, "ddtree", max_budget=40).tree_widths == [16, 32, 40]
+    assert DFlashDrafter(model, *head, "chain").tree_widths == [model.config.block_size - 1]
+    rng = random.Random(4)
+    contexts = []
+    for length in (2, 9, 40):
+        tokens = [rng.randrange(VOCAB - 1) for _ in range(length)]
+        contexts.append(drafter.new_context())
+        drafter.extend(contexts[-1], tokens, target_features(target, tokens[:-1], (0, 1)))
+    roots = [context.tokens[-1] for context in contexts]
+    for largest in (1, 5, 16, 17, 32, 50, 64, 128):
+        budgets = [largest] + [rng.randint(0, largest) for _ in contexts[1:]]
+        log_probs = drafter._run_block(contexts, budgets)
+        widest = unpack_trees(roots, drafter._trees(log_probs, 128).tolist())
+        assert [tree.size - 1 for tree in widest] == budgets
+        for width in [w for w in drafter.tree_widths if w >= largest]:
+            assert unpack_trees(roots, drafter._trees(log_probs, width).tolist()) == widest, (largest, width)
+        assert drafter.propose(contexts, budgets) == widest
+    for context in contexts:
+        drafter.release(context)
+
+
 def test_a_context_that_outgrows_the_drafter_pool_continues_without_trees():
     """In-process: a pool of 32 context tokens fills after a few rounds; the generation then decodes plainly,
     with the target's own tokens, and the drafter's blocks all come back."""

@@ -228,3 +228,49 @@ def test_dflash_block_forward_from_graphs_equals_eager(dtype):
             for context in contexts[drafter]:
                 drafter.release(context)
             assert drafter.pool.allocator.free_count == drafter.pool.allocator.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dflash_search_graphs_equal_eager_at_every_width(dtype):
+    """Every (batch bucket, tree width) search graph replays, bit for bit, what the eager search computes from the
+    same block log-probabilities (padding requests included), and at every width that holds the budgets the
+    trees are the widest's, budgets filled; the pool ends empty."""
+    from random_targets import random_dflash_drafter, target_features
+    from treeserve.drafter.dflash import DFlashDrafter
+    from treeserve.drafter.trees import unpack_trees
+
+    target = random_target("qwen3", seed=6, weight_scale=2.0)
+    model = random_dflash_drafter(target, "ddtree", seed=1).model.to("cuda", dtype)
+    target = target.to("cuda", dtype)
+    drafter = DFlashDrafter(model, target.model.embed_tokens.weight, target.lm_head.weight, "ddtree", max_batch=8,
+                            graphs=True)
+    drafter.capture()
+    widths, block = drafter.tree_widths, model.config.block_size
+    assert widths == [16, 32, 64, 128]
+    assert sorted(drafter.search_graphs) == sorted((batch, w) for batch, _ in drafter.runner.graphs for w in widths)
+    rng = random.Random(5)
+    batch_buckets = sorted({batch for batch, _ in drafter.runner.graphs})
+    for bucket in batch_buckets:
+        smaller = [b for b in batch_buckets if b < bucket]
+        batch = rng.randint(max(smaller, default=0) + 1, bucket)  # the rest of the bucket is padding requests
+        contexts = []
+        for _ in range(batch):
+            tokens = [rng.randrange(96) for _ in range(rng.randint(2, 200))]
+            contexts.append(drafter.new_context())
+            drafter.extend(contexts[-1], tokens, target_features(target, tokens[:-1], model.config.target_layer_ids))
+        roots = [context.tokens[-1] for context in contexts]
+        for width in widths:
+            budgets = [width] + [rng.randint(0, width) for _ in range(batch - 1)]
+            log_probs = drafter._run_block(contexts, budgets)
+            assert drafter.runner.last_bucket == (bucket, block)
+            got = drafter._trees(log_probs, width).clone()
+            assert torch.equal(got, drafter._search(log_probs, width)[0])  # eager, on the same log-probabilities
+            trees = unpack_trees(roots, got[:batch].tolist())
+            assert [tree.size - 1 for tree in trees] == budgets
+            assert trees == unpack_trees(roots, drafter._trees(log_probs, widths[-1])[:batch].tolist()), width
+            assert drafter.propose(contexts, budgets) == trees  # a round takes the narrowest width: this one
+        for context in contexts:
+            drafter.release(context)
+    assert drafter.pool.allocator.free_count == drafter.pool.allocator.num_blocks

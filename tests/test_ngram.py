@@ -84,3 +84,4 @@ def test_continuations_follow_the_longest_then_most_recent_occurrences():
         starts = suffix_matches_in_order(context, drafter.max_ngram, drafter.min_ngram, drafter.max_continuations)
         got = drafter.continuations(context, length)
         assert got == [context[start:start + length] for start in starts], (context, drafter.__dict__)
+        assert drafter.continuations(context, length, limit=1) == got[:1]  # the merged drafter's lookup

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from treeserve.drafter.trees import ddtree_from_distributions, ddtree_trees
+from treeserve.drafter.trees import ddtree_from_distributions, ddtree_select, ddtree_trees, unpack_trees
 from treeserve.errors import TreeserveError
 from treeserve.tree import MAX_BUDGET, DraftTree
 
@@ -262,3 +262,27 @@ def test_ddtree_over_wide_top_k_lists_is_the_best_tree():
         for b, tree in enumerate(ddtree_trees(roots, log_probs, token_ids, budgets)):
             expected = best_first_tree(log_probs[b].tolist(), budgets[b])
             assert set(choice_paths(tree, token_ids[b].tolist())) == set(expected), (budget, b)
+
+
+@pytest.mark.parametrize("values", ["continuous", "ties", "float32 ties and -inf"])
+def test_a_search_at_any_width_from_the_largest_budget_gives_the_widest_searchs_trees(values):
+    """The DFlash drafter searches each round at the narrowest of its widths that holds the round's largest
+    budget, from the widest's top-k lists: every width w >= the budgets gives the widest's trees and node
+    log-probs exactly, ties included (few distinct values make them everywhere, and -inf scores tie too)."""
+    generator = torch.Generator().manual_seed(len(values))
+    batch, depth, top_k, widest = 6, 5, 24, 48
+    for _ in range(4):
+        roots, log_probs, token_ids = random_top_k(batch, depth, top_k, generator)
+        if values != "continuous":
+            log_probs = -torch.randint(0, 4, log_probs.shape, generator=generator).double() / 4
+        if values == "float32 ties and -inf":
+            log_probs[:, :, top_k // 2:] = float("-inf")
+            log_probs = log_probs.float()
+        log_probs = log_probs.sort(dim=-1, descending=True).values
+        for width in (1, 2, 7, 16, 31, 32, widest):
+            budgets = torch.randint(0, width + 1, (batch,), generator=generator)
+            budgets[0] = width
+            want_packed, want_log_probs = ddtree_select(log_probs, token_ids, budgets, widest)
+            packed, node_log_probs = ddtree_select(log_probs, token_ids, budgets, width)
+            assert unpack_trees(roots.tolist(), packed.tolist()) == unpack_trees(roots.tolist(), want_packed.tolist())
+            assert torch.equal(node_log_probs, want_log_probs[:, :width])

@@ -3,8 +3,9 @@
 For each tree size limit (the drafter's max budget) and batch size, requests with a context of --context tokens
 each take rounds of --new-tokens accepted tokens: the host time of each step of a round, each step timed on its
 own (the device synchronised before and after it), and the device time of one replay of the block graph
-(context write, block forward and trees). Trees and their cost do not depend on the features' values, so the
-features are random; the target supplies the embedding and the LM head. Medians over --repeats, in ms.
+(context write and block forward) and of the tree search's at the round's width (the narrowest that holds
+--budget) and at the widest. Trees and their cost do not depend on the features' values, so the features are
+random; the target supplies the embedding and the LM head. Medians over --repeats, in ms.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from treeserve.settings import OneLineErrorParser
 from treeserve.errors import TreeserveError
 
 STEPS = ("extend", "propose_merged", "propose", "block_and_trees", "trees_to_host")
+DEVICE_STEPS = ("block_device", "search_device", "search_device_widest")  # replays, timed on the GPU
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def profile_cell(merged, batch: int, args, torch) -> dict:
     """Median milliseconds of each step over args.repeats repeats of three rounds of `batch` requests: one
     timing the extends and then the merged drafter's whole proposal, one the DFlash drafter's proposal alone,
-    one its block forward (context write, block, trees) and the trees' copy to the host apart."""
+    one its block forward and trees (context write, block, search) and the trees' copy to the host apart."""
     from treeserve.drafter.trees import unpack_trees
 
     dflash, cuda = merged.dflash, args.device == "cuda"
@@ -86,7 +88,8 @@ def profile_cell(merged, batch: int, args, torch) -> dict:
     budgets = [args.budget] * batch
     extend_all(args.context)
     merged.propose(contexts, budgets)  # first use: kernels compile, shapes warm up
-    times: dict[str, list[float]] = {step: [] for step in (*STEPS, "replay_device")}
+    width = dflash.width_for(args.budget)
+    times: dict[str, list[float]] = {step: [] for step in (*STEPS, *DEVICE_STEPS)}
     for _ in range(args.repeats):
         times["extend"].append(extend_all(args.new_tokens))
         times["propose_merged"].append(timed(lambda: merged.propose(contexts, budgets)))
@@ -94,23 +97,32 @@ def profile_cell(merged, batch: int, args, torch) -> dict:
         times["propose"].append(timed(lambda: dflash.propose(inner, budgets)))
         extend_all(args.new_tokens)
         packed = []
-        times["block_and_trees"].append(timed(lambda: packed.append(dflash._run_block(inner, budgets)[1])))
+        times["block_and_trees"].append(timed(
+            lambda: packed.append(dflash._trees(dflash._run_block(inner, budgets), width)[:batch])))
         times["trees_to_host"].append(timed(lambda: unpack_trees([c.tokens[-1] for c in inner], packed[0].tolist())))
-        times["replay_device"].append(replay_seconds(dflash, batch, torch) if cuda else 0.0)
+        device_seconds = replay_seconds(dflash, batch, width, torch) if cuda else (0.0,) * len(DEVICE_STEPS)
+        for step, seconds in zip(DEVICE_STEPS, device_seconds):
+            times[step].append(seconds)
     for context in contexts:
         merged.release(context)
     return {step: round(statistics.median(values) * 1000, 3) for step, values in times.items()}
 
 
-def replay_seconds(dflash, batch: int, torch) -> float:
-    """Device time of one replay of the block graph that holds `batch` requests."""
-    captured = dflash.runner.graphs[dflash.runner.bucket(batch, dflash.model.config.block_size)]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    captured.graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1000
+def replay_seconds(dflash, batch: int, width: int, torch) -> tuple[float, ...]:
+    """Device time of one replay of the block graph that holds `batch` requests, then of its bucket's search
+    graph at `width` and at the widest (DEVICE_STEPS)."""
+    bucket = dflash.runner.bucket(batch, dflash.model.config.block_size)
+    graphs = (dflash.runner.graphs[bucket], dflash.search_graphs[(bucket[0], width)],
+              dflash.search_graphs[(bucket[0], dflash.tree_widths[-1])])
+    seconds = []
+    for captured in graphs:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        captured.graph.replay()
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1000)
+    return tuple(seconds)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,9 +54,9 @@ def features_from_proto(message: drafter_pb2.Features):
     if message.dtype not in FEATURE_DTYPES:
         raise TreeserveError(f"features of unknown dtype {message.dtype!r} (use {', '.join(FEATURE_DTYPES)})")
     dtype = getattr(torch, message.dtype)
-    shape = tuple(message.shape)
-    if len(shape) != 2 or shape[0] * shape[1] * dtype.itemsize != len(message.data):
-        raise TreeserveError(f"features: {len(message.data)} bytes do not hold shape {shape} of {message.dtype}")
-    if not message.data:
+    shape, data = tuple(message.shape), message.data  # each read of a bytes field copies it: read it once
+    if len(shape) != 2 or shape[0] * shape[1] * dtype.itemsize != len(data):
+        raise TreeserveError(f"features: {len(data)} bytes do not hold shape {shape} of {message.dtype}")
+    if not data:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(message.data), dtype=dtype).view(shape)
+    return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)

@@ -8,9 +8,10 @@ computed once per token and kept per request, in a paged KV pool of the draft la
 to the whole context and to itself without a causal mask (the tree-attention kernel with an all-ones mask). The
 final norm, then the target's own LM head, give a distribution for each of the next b - 1 positions. The
 block's embeddings also come from the target, so the checkpoint holds neither an embedding nor an LM head.
-The same forward builds each request's tree from those distributions (trees.ddtree_select); on a GPU it
-replays a CUDA graph per batch bucket, as the verifier's trees do, so that a round is one replay and one small
-copy to the host rather than hundreds of small launches.
+Each request's tree is then searched from those distributions (trees.ddtree_select), at the narrowest of a few
+tree widths that holds the round's largest budget (the same trees as the widest). On a GPU both replay CUDA graphs,
+the block forward's per batch bucket as the verifier's trees do and the search's per (batch bucket, width), so that
+a round is two replays and one small copy to the host rather than hundreds of small launches.
 
 Checkpoints follow the z-lab layout: config.json (Qwen3-style fields, `block_size`, `num_target_layers` and
 `dflash_config.target_layer_ids` / `dflash_config.mask_token_id`) and safetensors named fc.weight,
@@ -21,8 +22,10 @@ draft layer (default_target_layer_ids).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,12 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeserve.drafter.trees import ddtree_select, possible_nodes, unpack_trees
+from treeserve.drafter.trees import ddtree_select, possible_nodes, search_plan, unpack_trees
 from treeserve.errors import TreeserveError
 from treeserve.loading.hf_folder import config_from_hf, read_json, safetensors_reader
 from treeserve.loading.weights import checkpoint_state, fill_parameters
 from treeserve.models import ModelConfig
-from treeserve.models.graphs import PagedRunner, TreeRows
+from treeserve.models.graphs import (CapturedGraph, PagedRunner, TreeRows, buckets_up_to, capture_graph,
+                                     cycle_collection_paused, powers_of_two_up_to)
 from treeserve.models.paged_kv import PagedAttention, PagedKVCache, PagedSequence, paged_kernels
 from treeserve.models.transformer import Attention, DecoderLayer, RMSNorm, apply_rope, rope_cos_sin
 from treeserve.settings import TREE_KINDS
@@ -44,6 +48,7 @@ from treeserve.tree import MAX_BUDGET, DraftPoolFull, DraftTree
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 POOL_BLOCK = 16  # tokens per block of the drafter's context pool
+NARROWEST_TREE_WIDTH = 16  # below it a search costs about the same: its kernels are launch-bound
 
 log = logging.getLogger("treeserve.drafter")
 
@@ -241,17 +246,70 @@ class DFlashRequest:
 
 
 
+def tree_widths(widest: int) -> list[int]:
+    """The widths trees are searched at: the powers of two from NARROWEST_TREE_WIDTH below `widest`, and `widest`."""
+    return buckets_up_to(widest, tuple(w for w in powers_of_two_up_to(widest) if w >= NARROWEST_TREE_WIDTH))
+
+
+class RoundInputs:
+    """What the drafter's graphs read each round besides the pool and the block rows, on the device: each
+    request's budget (0 for padding requests) and the context rows the block forward first writes (their slots,
+    -1 for none, positions and features), back to back from row 0. Filled from host buffers allocated once,
+    page-locked on a GPU so that the copies in are queued without the host waiting for them (on the CPU, the device
+    tensors themselves); refilling them waits only for the last copies out of them, normally long done."""
+
+    def __init__(self, max_batch: int, rows: int, feature_size: int, dtype: torch.dtype, device: torch.device):
+        self.on_gpu = device.type == "cuda"
+        # The long inputs share one buffer, so that a round copies them in at once.
+        longs = torch.zeros(max_batch + 2 * rows, dtype=torch.long)
+        longs[max_batch:max_batch + rows] = -1  # no slots: nothing to write
+        self.longs = longs.to(device)
+        self.budgets, self.slots, self.positions = self.longs.split([max_batch, rows, rows])
+        self.features = torch.zeros(rows, feature_size, dtype=dtype, device=device)
+        self.host_longs = longs.pin_memory() if self.on_gpu else self.longs
+        self.host_features = self.features.cpu().pin_memory() if self.on_gpu else self.features
+        self.copied = torch.cuda.Event() if self.on_gpu else None
+
+    def stage(self, budgets: list[int], parts: list[tuple[torch.Tensor, np.ndarray, torch.Tensor]]) -> None:
+        """This round's budgets and context rows (parts of (slots, positions, features) in turn), copied in."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        budgets_np, slots_np, positions_np = (t.numpy() for t in self.host_longs.split(
+            [len(self.budgets), len(self.slots), len(self.positions)]))
+        rows = sum(len(slots) for slots, _, _ in parts)
+        if len(budgets) > len(budgets_np) or rows > len(slots_np):
+            raise TreeserveError(f"dflash: {len(budgets)} budgets and {rows} context rows do not fit the round's "
+                                 f"inputs ({len(budgets_np)} and {len(slots_np)})")
+        budgets_np[:len(budgets)], budgets_np[len(budgets):] = budgets, 0
+        if parts:
+            slots_np[:rows] = np.concatenate([slots.numpy() for slots, _, _ in parts])
+            positions_np[:rows] = np.concatenate([positions for _, positions, _ in parts])
+        slots_np[rows:], positions_np[rows:] = -1, 0
+        features = [part_features for _, _, part_features in parts]
+        on_host = all(f.device.type == "cpu" for f in features)
+        if features:
+            if on_host:
+                torch.cat(features, out=self.host_features[:rows])
+            else:  # in process on a GPU: the target's features are there already
+                self.features[:rows] = torch.cat([f.to(self.features.device) for f in features])
+        if self.on_gpu:
+            self.longs.copy_(self.host_longs, non_blocking=True)
+            if features and on_host:
+                self.features[:rows].copy_(self.host_features[:rows], non_blocking=True)
+            self.copied.record()
+
+
 # Context tokens the drafter's pool holds over all requests, unless told (per token: 2 x layers x kv heads x
 # head_dim values, about 1.5 KB for the shipped SmolLM2 drafter in bfloat16).
 DEFAULT_CONTEXT_TOKENS = {"cpu": 32768, "cuda": 262144}
 
 
 class DFlashDrafter:
-    """Batched DFlash drafting: one block forward for every request of a round, which also builds each request's
-    tree on the device (`chain`: the argmax path; `ddtree`: the best tree of its budget, up to `max_budget`
-    nodes). Contexts live in one paged pool of `kv_cache_tokens`; with `graphs` (CUDA) the block forward and
-    the trees replay a graph per batch bucket up to `max_batch` (call `capture()` once), so a round costs one
-    replay and one copy of the trees to the host."""
+    """Batched DFlash drafting: one block forward for every request of a round, then each request's tree built on
+    the device (`chain`: the argmax path; `ddtree`: the best tree of its budget, up to `max_budget` nodes).
+    Contexts live in one paged pool of `kv_cache_tokens`; with `graphs` (CUDA) the block forward replays a graph
+    per batch bucket up to `max_batch` and the trees one per (batch bucket, tree width) (call `capture()` once),
+    so a round costs two replays and one copy of the trees to the host."""
 
     name = "dflash"
 
@@ -275,11 +333,11 @@ class DFlashDrafter:
         device = model.device
         self.kernels = device.type == "cuda"
         # A chain is the DDTree of each position's top token. A tree of at most max_budget nodes needs each
-        # position's top max_budget tokens (trees.py says why), and holds at most every possible node.
+        # position's top max_budget tokens (trees.py says why), and holds at most every possible node. Each
+        # round searches at the narrowest width that holds its largest budget, from the same top_k lists.
         self.top_k = 1 if tree == "chain" else min(max_budget, embedding.shape[0])
         self.tree_width = min(max_budget, possible_nodes(cfg.block_size - 1, self.top_k))
-        # Each request's budget, written before every block forward, which reads it (padding requests: 0).
-        self.budgets = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.tree_widths = tree_widths(self.tree_width)
         tokens = kv_cache_tokens or DEFAULT_CONTEXT_TOKENS[device.type]
         # Kept free for the block rows of a round (each request's block spills into one more pool block at most),
         # so proposing never runs out of blocks: contexts that would eat into this are refused in extend().
@@ -288,14 +346,13 @@ class DFlashDrafter:
                                  device)
         self.block_mask = np.ones((cfg.block_size, cfg.block_size), dtype=np.int8)  # a block sees all of itself
         self.runner = PagedRunner(self.pool, self._block_forward, max_batch, [cfg.block_size],
-                                  max_context or cfg.layers.max_context, graphs, request_outputs=1)
-        # The block forward first writes each request's new context rows, up to block_size of them in its share
-        # of these inputs (slot -1: nothing), so that a round's context write is part of the one graph replay.
-        rows = max_batch * cfg.block_size
-        self.context_features = torch.zeros(rows, cfg.feature_size, dtype=model.dtype, device=device)
-        self.context_slots = torch.full((rows,), -1, dtype=torch.long, device=device)
-        self.context_positions = torch.zeros(rows, dtype=torch.long, device=device)
+                                  max_context or cfg.layers.max_context, graphs)
+        # The block forward first writes the round's new context rows, up to block_size per request, so that a
+        # round's context write is part of its graph replay.
+        self.inputs = RoundInputs(max_batch, max_batch * cfg.block_size, cfg.feature_size, model.dtype, device)
         self.unwritten: dict[int, DFlashRequest] = {}  # id -> a context with rows not written yet
+        self.search_graphs: dict[tuple[int, int], CapturedGraph] = {}  # (batch bucket, tree width) -> its graph
+        self.search_plans = []  # the index tables the search graphs read
 
     @classmethod
     def for_target(cls, path: str | Path, target_model, tree: str = "ddtree", **options) -> "DFlashDrafter":
@@ -306,10 +363,30 @@ class DFlashDrafter:
                    max_context=target_model.config.max_context, **options)
 
     def capture(self) -> None:
-        self.context_slots.fill_(-1)  # the captures run the forward for real: it must write nothing
+        self.inputs.slots.fill_(-1)  # the captures run the forward for real: it must write nothing
         seconds = self.runner.capture()
-        log.info("captured %d CUDA graphs of the DFlash block forward and trees (batch up to %d) in %.1f s",
-                 len(self.runner.graphs), self.runner.max_batch, seconds)
+        started = time.perf_counter()
+        self._capture_searches()
+        log.info("captured %d CUDA graphs of the DFlash block forward (batch up to %d) and %d of its tree search "
+                 "(widths %s) in %.1f s", len(self.runner.graphs), self.runner.max_batch, len(self.search_graphs),
+                 ", ".join(map(str, self.tree_widths)), seconds + time.perf_counter() - started)
+
+    @torch.inference_mode()
+    def _capture_searches(self) -> None:
+        """A search graph per (batch bucket, tree width), reading its bucket's block graph's log-probabilities,
+        into the block graphs' memory pool (a round replays one after the other, never both at once)."""
+        block, device = self.model.config.block_size, self.model.device
+        self.search_graphs.clear()
+        self.search_plans = [search_plan(block - 1, self.top_k, width, device) for width in self.tree_widths]
+        with cycle_collection_paused():
+            for batch, rows in sorted(self.runner.graphs, reverse=True):
+                log_probs = self.runner.graphs[(batch, rows)].outputs[0].view(batch, rows, -1)
+                for width in reversed(self.tree_widths):
+                    captured = capture_graph(functools.partial(self._search, log_probs, width),
+                                             self.runner.memory_pool)
+                    self.runner.memory_pool = captured.graph.pool()
+                    self.search_graphs[(batch, width)] = captured
+        torch.cuda.synchronize()
 
     def new_context(self) -> DFlashRequest:
         return DFlashRequest(self.pool.sequence())
@@ -357,44 +434,30 @@ class DFlashDrafter:
         self.unwritten.pop(id(context), None)
         return parts
 
-    def _stage_context_rows(self, contexts: list[DFlashRequest]) -> None:
-        """Place each context's unwritten rows in its share of the block forward's context inputs; a context
-        with more than block_size of them (a prompt) is written eagerly first."""
+    def _stage_round(self, contexts: list[DFlashRequest], budgets: list[int]) -> None:
+        """The round's budgets and every context's unwritten rows, in the graphs' inputs; a context with more than
+        block_size of them (a prompt) is written eagerly first, so that the rest fit any bucket that holds the
+        batch."""
         block = self.model.config.block_size
         self.write_context([context for context in contexts if context.unwritten_rows > block])
-        starts, parts = [], []
-        for index, context in enumerate(contexts):
-            row = index * block
-            for part in self._take_unwritten(context):
-                starts.append(row)
-                parts.append(part)
-                row += len(part[0])
-        slots = torch.full((len(self.context_slots),), -1, dtype=torch.long)
-        positions = torch.zeros(len(self.context_positions), dtype=torch.long)
-        if parts:
-            counts = np.array([len(part[0]) for part in parts])
-            rows = torch.from_numpy(np.repeat(np.array(starts) - np.cumsum(counts) + counts, counts)
-                                    + np.arange(counts.sum()))
-            new_slots, new_positions, features = zip(*parts)
-            slots[rows], positions[rows] = torch.cat(new_slots), torch.from_numpy(np.concatenate(new_positions))
-            features = torch.cat(features)
-            self.context_features.index_copy_(0, rows.to(self.context_features.device),
-                                              features.to(self.context_features.device, self.context_features.dtype))
-        self.context_slots.copy_(slots)
-        self.context_positions.copy_(positions)
+        self.inputs.stage(budgets, [part for context in contexts for part in self._take_unwritten(context)])
 
-    def _block_forward(self, rows: TreeRows):
-        """Log-probabilities (rows, vocab) of every block row and each request's tree, packed as
-        trees.ddtree_select packs it, after writing the round's context rows: the one forward a graph captures."""
-        batch = rows.paged.batch
-        staged = slice(0, batch * self.model.config.block_size)
-        self.model.write_context(self.pool, self.context_slots[staged], self.context_positions[staged],
-                                 self.context_features[staged], self.kernels)
-        log_probs = self.row_log_probs(rows)
-        drafted = log_probs.view(batch, -1, log_probs.shape[-1])[:, 1:]  # the positions after each root
+    def _block_forward(self, rows: TreeRows) -> tuple[torch.Tensor]:
+        """Log-probabilities (rows, vocab) of every block row, after writing the round's context rows: the
+        forward the block graphs capture."""
+        staged = slice(0, rows.paged.batch * self.model.config.block_size)
+        inputs = self.inputs
+        self.model.write_context(self.pool, inputs.slots[staged], inputs.positions[staged],
+                                 inputs.features[staged], self.kernels)
+        return (self.row_log_probs(rows),)
+
+    def _search(self, log_probs: torch.Tensor, width: int) -> tuple[torch.Tensor]:
+        """Each request's tree from its block log-probabilities (B, block_size, vocab), packed as
+        trees.ddtree_select packs it, searched `width` wide: the work the search graphs capture."""
+        drafted = log_probs[:, 1:]  # the positions after each root
         top = drafted.topk(self.top_k, dim=-1)
-        packed, _ = ddtree_select(top.values, top.indices, self.budgets[:batch], self.tree_width)
-        return log_probs, packed
+        packed, _ = ddtree_select(top.values, top.indices, self.inputs.budgets[:log_probs.shape[0]], width)
+        return (packed,)
 
     def row_log_probs(self, rows: TreeRows) -> torch.Tensor:
         """The drafter's log-probabilities (rows, vocab) at every block row."""
@@ -403,23 +466,37 @@ class DFlashDrafter:
         return torch.log_softmax((hidden @ self.lm_head.T.to(hidden.dtype)).float(), dim=-1)
 
     @torch.inference_mode()
-    def _run_block(self, contexts: list[DFlashRequest], budgets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block forward of these contexts (at most max_batch): their log-probabilities (B, block_size,
-        vocab) and packed trees (B, 1 + 2 * tree_width)."""
-        self._stage_context_rows(contexts)
+    def _run_block(self, contexts: list[DFlashRequest], budgets: list[int]) -> torch.Tensor:
+        """The block forward of these contexts (at most max_batch), their budgets staged for the search: the
+        log-probabilities (B', block_size, vocab), B' >= B their batch bucket's (the rows past B are padding)."""
+        self._stage_round(contexts, budgets)
         block, mask_token = self.model.config.block_size, self.model.config.mask_token_id
         sequences = [context.sequence for context in contexts]
-        self.budgets.copy_(torch.tensor(budgets + [0] * (len(self.budgets) - len(budgets))))
-        log_probs, packed = self.runner.run(
+        log_probs, = self.runner.run(
             sequences, [[context.tokens[-1]] + [mask_token] * (block - 1) for context in contexts],
             [np.arange(s.length, s.length + block) for s in sequences], [self.block_mask] * len(contexts))
         for sequence in sequences:
             sequence.keep([])  # the block's own keys and values are never context
-        return log_probs[:len(contexts)], packed[:len(contexts)]
+        return log_probs
+
+    @torch.inference_mode()
+    def _trees(self, log_probs: torch.Tensor, width: int) -> torch.Tensor:
+        """The packed trees (B', 1 + 2 * width) of the last block forward, whose log-probabilities are
+        `log_probs`: from the search graph of its bucket where it replayed one, else eagerly."""
+        bucket = self.runner.last_bucket
+        captured = self.search_graphs.get((bucket[0], width)) if bucket is not None else None
+        if captured is None:
+            return self._search(log_probs, width)[0]
+        captured.graph.replay()
+        return captured.outputs[0]
+
+    def width_for(self, budget: int) -> int:
+        """The narrowest tree width that holds a round whose largest budget is `budget`."""
+        return next(width for width in self.tree_widths if width >= min(budget, self.tree_width))
 
     def block_log_probs(self, contexts: list[DFlashRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """Roots (B,) and log-probabilities (B, block_size - 1, vocab) for the positions after each root."""
-        log_probs, _ = self._run_block(contexts, [0] * len(contexts))
+        log_probs = self._run_block(contexts, [0] * len(contexts))[:len(contexts)]
         roots = torch.tensor([context.tokens[-1] for context in contexts], device=self.model.device)
         return roots, log_probs[:, 1:]
 
@@ -429,7 +506,8 @@ class DFlashDrafter:
             raise TreeserveError(f"dflash: budgets must be between 0 and {self.max_budget}, got {outside[0]}")
         trees, step = [], self.runner.max_batch
         for start in range(0, len(contexts), step):
-            chunk = contexts[start:start + step]
-            _, packed = self._run_block(chunk, list(budgets[start:start + step]))
+            chunk, chunk_budgets = contexts[start:start + step], list(budgets[start:start + step])
+            log_probs = self._run_block(chunk, chunk_budgets)
+            packed = self._trees(log_probs, self.width_for(max(chunk_budgets)))[:len(chunk)]
             trees += unpack_trees([context.tokens[-1] for context in chunk], packed.tolist())
         return trees

@@ -50,7 +50,7 @@ class MergedDrafter:
     def lookup_chain(self, context: MergedContext, budget: int) -> list[int]:
         """The n-gram drafter's best continuation, at most half the budget (none at budget 1: DFlash's own
         first guess is the better single token)."""
-        found = self.ngram.continuations(context.lookup, budget // 2) if budget >= 2 else []
+        found = self.ngram.continuations(context.lookup, budget // 2, limit=1) if budget >= 2 else []
         return found[0] if found else []
 
 

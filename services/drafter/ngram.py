@@ -13,16 +13,19 @@ class NgramDrafter(TokenDrafter):
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_continuations: int = 16):
         self.max_ngram, self.min_ngram, self.max_continuations = max_ngram, min_ngram, max_continuations
 
-    def continuations(self, context: TokenContext | list[int], length: int) -> list[list[int]]:
+    def continuations(self, context: TokenContext | list[int], length: int, limit: int | None = None
+                      ) -> list[list[int]]:
         """Continuations of earlier occurrences of the context's suffix: longest suffix match (up to max_ngram)
-        first, then the most recent occurrence first; each occurrence once.
+        first, then the most recent occurrence first; each occurrence once; the first `limit` of them (default
+        max_continuations).
 
         Only the earlier occurrences of the last token are candidates, from the context's index, most recent
-        first, and the walk stops once max_continuations of them match as far back as any can. This replaced
+        first, and the walk stops once `limit` of them match as far back as any can. This replaced
         NumPy over each whole context, whose cost on a large batch's critical path was mostly call overhead on
         small arrays (docs/benchmarks.md, "Host work")."""
         if not isinstance(context, TokenContext):
             context = TokenContext(context)
+        limit = self.max_continuations if limit is None else limit
         tokens = context.tokens
         last = len(tokens) - 1
         longest = min(self.max_ngram, last)  # the longest suffix an earlier occurrence can match
@@ -35,10 +38,10 @@ class NgramDrafter(TokenDrafter):
             if matched >= self.min_ngram:
                 found.append((-matched, -end))
                 full += matched == longest
-                if full == self.max_continuations:  # older occurrences can no longer rank among the first
+                if full == limit:  # older occurrences can no longer rank among the first
                     break
         found.sort()
-        return [tokens[1 - minus_end:1 - minus_end + length] for _, minus_end in found[:self.max_continuations]]
+        return [tokens[1 - minus_end:1 - minus_end + length] for _, minus_end in found[:limit]]
 
     def tree(self, context: TokenContext | list[int], budget: int) -> DraftTree:
         """The tree for one context (or list of tokens): continuations merged into a trie of at most `budget`

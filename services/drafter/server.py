@@ -106,10 +106,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             return []
         spans = self.start_spans([item for item, _ in asking])
         trees = self.drafter.propose([context for _, context in asking], [item.budget for item, _ in asking])
+        self.metrics.trees.inc(len(trees))
+        self.metrics.tree_nodes.inc(sum(tree.size - 1 for tree in trees))
         replies = []
         for (item, context), tree in zip(asking, trees):
-            self.metrics.trees.inc()
-            self.metrics.tree_nodes.inc(tree.size - 1)
             if item.request_id in spans:
                 spans[item.request_id].set_attributes({
                     "treeserve.budget": item.budget, "treeserve.tree_nodes": tree.size - 1,
@@ -159,8 +159,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if item.finished:
             return None
         rows = len(item.new_token_ids) - (0 if item.request_id in contexts else 1)
-        shape = tuple(item.features.shape) if item.HasField("features") else (0, self.drafter.feature_size)
+        sent = item.HasField("features")
+        shape = tuple(item.features.shape) if sent else (0, self.drafter.feature_size)
         if shape != (rows, self.drafter.feature_size):
             raise TreeserveError(f"request {item.request_id!r}: features of shape {shape} for "
                                  f"{len(item.new_token_ids)} new tokens; expected ({rows}, {self.drafter.feature_size})")
-        return features_from_proto(item.features) if item.HasField("features") else None
+        return features_from_proto(item.features) if sent else None

@@ -16,11 +16,19 @@ elder siblings that rank above it, so it is in the top M only if k < M. Nor by e
 rank i, choice k) with (i + 1)(k + 1) <= M: every pair (i' <= i, k' <= k) ranks above (i, k), so a pair with more
 than M of them cannot be among the best M. That is about M ln M candidates a depth instead of M * M.
 
-The search is fixed-shape tensor work for a given (batch, D, K, M) (ddtree_select), so the DFlash drafter runs
-it inside its block forward's CUDA graph, with the budgets as an input.
+The search is fixed-shape tensor work for a given (batch, D, K, M) (ddtree_select), so the DFlash drafter
+replays it from CUDA graphs, with the budgets as an input.
 
 Ties: a shallower node ranks before a deeper one of equal score (so a parent always before its child), and
 within a depth the order is (parent's rank, choice index): elder siblings first.
+
+Every width M from the largest budget up gives the same trees, ties included, so the DFlash drafter searches each
+round at the narrowest of a few widths that holds its largest budget (the lists keep the widest's K). Within a
+depth the order above is total, and the M nodes a search keeps at a depth are the first M of it over all that
+depth's nodes (by induction on depth): such a node has fewer than M nodes ahead of it, while its (i + 1)(k + 1) - 1
+pairs (i' <= i, k' <= k) all are (no lower scores, as a float sum rounds monotonically, and earlier in (parent
+rank, choice) order), so the search expands it. Over all depths, a node beyond its depth's first M has at least
+M nodes ahead of it, so the top `budget` <= M are the same for any such M, and so are their places in the tree.
 """
 
 from __future__ import annotations
@@ -85,7 +93,7 @@ def ddtree_select(log_probs: torch.Tensor, token_ids: torch.Tensor, budgets: tor
     (unpack_trees reads it); and node_log_probs (B, keep), the draft log-prob of each drafted node's token."""
     batch, depth, top_k = log_probs.shape
     device = log_probs.device
-    plan = _search_plan(depth, top_k, keep, device)
+    plan = search_plan(depth, top_k, keep, device)
     # Summed in at least float32: a bf16 running sum would blur which path is best.
     scores_in = log_probs.to(torch.promote_types(log_probs.dtype, torch.float32))
 
@@ -137,7 +145,9 @@ class SearchPlan:
 
 
 @functools.lru_cache(maxsize=64)
-def _search_plan(depth: int, top_k: int, keep: int, device: torch.device) -> SearchPlan:
+def search_plan(depth: int, top_k: int, keep: int, device: torch.device) -> SearchPlan:
+    """The tables of a search of this shape, made once (a graph that replays the search reads these very tensors:
+    its owner keeps them alive, whatever the cache lets go of)."""
     pairs, offsets, cells, parent_columns = [], [], [], []
     width, pair_start, level_start = 1, 0, 0  # the previous depth's kept nodes; where its pairs and columns start
     for position in range(depth):

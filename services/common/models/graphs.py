@@ -15,6 +15,7 @@ a test replays every bucket against eager execution.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import gc
 import time
@@ -125,6 +126,32 @@ class CapturedGraph:
     outputs: tuple[torch.Tensor | None, ...]  # (batch * rows, ...) each, written by every replay
 
 
+@contextlib.contextmanager
+def cycle_collection_paused():
+    """Around captures: Python's cycle collector must not run during one, since an unreachable CUDA graph from
+    earlier (a runner and its forward refer to each other) destroyed mid-capture invalidates the capture. Collect
+    now, and not again until the captures are done."""
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def capture_graph(function, memory_pool=None) -> CapturedGraph:
+    """Run `function()` once (warm-up: Triton compiles, cuBLAS picks its kernels, cached index tables are made),
+    then capture it into a graph that allocates from `memory_pool` (the graph's own pool, `graph.pool()`, when
+    None); its outputs are the tuple `function` returns. Inside cycle_collection_paused()."""
+    function()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=memory_pool):
+        outputs = function()
+    return CapturedGraph(graph, outputs)
+
+
 class PagedRunner:
     """Runs one forward function over a paged pool in the padded (batch, rows) layout: with `graphs`, by
     replaying the smallest captured bucket that holds the batch (capture with `capture()`; a batch beyond the
@@ -167,6 +194,7 @@ class PagedRunner:
         # Forwards run, by the bucket whose graph replayed them (None: eagerly), so that tests and benches can tell
         # which way a batch went.
         self.forwards: collections.Counter = collections.Counter()
+        self.last_bucket: tuple[int, int] | None = None  # the bucket whose graph the last forward replayed, if any
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -186,24 +214,12 @@ class PagedRunner:
         self.graphs.clear()
         self.static = self._allocate_static()
         torch.cuda.synchronize()
-        # Python's cycle collector must not run during a capture: an unreachable CUDA graph from earlier (a
-        # runner and its forward refer to each other) destroyed mid-capture invalidates the capture. Collect
-        # now, and not again until the captures are done.
-        gc.collect()
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with cycle_collection_paused():
             for batch, rows in sorted(self.buckets, reverse=True):
                 view = self.static.view(batch, rows)
-                self.forward(view)  # warm-up: Triton compiles, cuBLAS picks its kernels
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.memory_pool):
-                    outputs = self.forward(view)
-                self.memory_pool = graph.pool()
-                self.graphs[(batch, rows)] = CapturedGraph(graph, outputs)
-        finally:
-            if collecting:
-                gc.enable()
+                captured = capture_graph(lambda: self.forward(view), self.memory_pool)
+                self.memory_pool = captured.graph.pool()
+                self.graphs[(batch, rows)] = captured
         torch.cuda.synchronize()
         return time.perf_counter() - started
 
@@ -264,6 +280,7 @@ class PagedRunner:
         batch = staged.paged.batch
         rows = staged.tokens.shape[0] // batch
         self.forwards[key] += 1
+        self.last_bucket = key
         if key is None:
             on_device = staged.to(self.device, non_blocking=True)
             self._copied()
