@@ -180,6 +180,29 @@ def test_features_of_plain_rounds_reach_the_drafter_when_it_next_drafts(tmp_path
     assert all(len(context.received) < len(context.tokens) - 1 for context in drafter.contexts)  # rows came batched
 
 
+def test_a_drafter_reached_over_tcp_drafts_as_over_a_unix_socket(tmp_path, target):
+    """A drafter on another host is reached over TCP: the same stream carries the contexts, their target features
+    and the trees, and the output stays the target's own."""
+    drafter = recording_drafter(target)
+    address = f"127.0.0.1:{serving.free_port()}"
+
+    async def main():
+        drafter_service = await serving.start(address, DrafterServicer(drafter).register)
+        link = DrafterLink(address, timeout_s=5.0)
+        verifier, scheduler, task = await start_verifier(tmp_path, target, link)
+        async with grpc.aio.insecure_channel(verifier.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            outputs = await asyncio.gather(*(collect(stub, request(p)) for p in PROMPTS))
+        await stop_all(task, verifier, link, drafter_service)
+        return outputs, scheduler
+
+    outputs, scheduler = asyncio.run(main())
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output == expected(target, prompt)
+    assert check_received_features(target, drafter) == len(PROMPTS)
+    assert scheduler.metrics.registry.get_sample_value("treeserve_drafts_total") > 0
+
+
 def test_where_drafting_has_stopped_paying_new_requests_decode_plainly(tmp_path, target):
     """With adaptive speculation finding that drafting does not pay at any batch size (a DFlash drafter's request
     keeps its target features, so it costs the others even in plain rounds), requests that ask for trees and join
