@@ -37,15 +37,19 @@ def params_to_proto(params: GenerationParams) -> tuple[generation_pb2.SamplingPa
 FINISH_REASONS = {"stop": generation_pb2.FINISH_REASON_STOP, "length": generation_pb2.FINISH_REASON_LENGTH}
 
 
-def features_to_proto(features) -> drafter_pb2.Features:
-    """(tokens, width) hidden states (a torch tensor) as raw little-endian bytes plus their shape and dtype."""
+def features_to_proto(features, into: drafter_pb2.Features | None = None) -> drafter_pb2.Features:
+    """(tokens, width) hidden states (a torch tensor) as raw little-endian bytes plus their shape and dtype; filled
+    into a message's field (`into`) where given, so that the bytes are not copied once more into it."""
     import torch  # here, not at the top: the gateway and clients use this module without torch
 
     name = str(features.dtype).removeprefix("torch.")
     if name not in FEATURE_DTYPES:
         raise TreeserveError(f"features of dtype {features.dtype} cannot be sent")
-    data = features.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
-    return drafter_pb2.Features(data=data, shape=list(features.shape), dtype=name)
+    message = drafter_pb2.Features() if into is None else into
+    message.data = features.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+    message.shape[:] = list(features.shape)
+    message.dtype = name
+    return message
 
 
 def features_from_proto(message: drafter_pb2.Features):

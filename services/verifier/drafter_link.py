@@ -246,7 +246,7 @@ class DrafterLink:
                 if piece.budget:
                     item.trace_context.update(trace_contexts.get(piece.request_id, {}))
                 if piece.features is not None:  # the rows of every token that entered the KV cache since
-                    item.features.CopyFrom(features_to_proto(piece.features))
+                    features_to_proto(piece.features, into=item.features)
         return messages
 
     def _new_message(self) -> drafter_pb2.DraftRequest:
