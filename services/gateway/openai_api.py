@@ -564,9 +564,14 @@ def bind(address: str) -> socket.socket:
         raise TreeserveError(f"cannot serve HTTP on {address}: {error.strerror or error}") from None
 
 
-def url(sock: socket.socket) -> str:
+def address_of(sock: socket.socket) -> str:
+    """HOST:PORT where the socket listens (a port 0 it was bound on resolved)."""
     host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def url(sock: socket.socket) -> str:
+    return f"http://{address_of(sock)}"
 
 
 class EmbeddedServer(uvicorn.Server):
