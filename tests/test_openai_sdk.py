@@ -194,3 +194,18 @@ def test_http_requests_are_counted_by_route_and_status(services):
         key = ("treeserve_gateway_http_requests_total", (("route", "/v1/chat/completions"), ("status", status)))
         assert counted.get(key, 0) >= 1, status
     assert counted[("treeserve_gateway_http_requests_total", (("route", "/v1/models"), ("status", "200")))] >= 1
+
+
+def test_sigterm_lets_an_http_stream_finish(services, client, model):
+    """Runs last: it stops the module's gateway in the middle of a stream, which still ends complete."""
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                            temperature=0, max_tokens=100, stream=True,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True})
+    chunks = [next(iter(stream))]
+    with verifier_paused(services):
+        services.process("gateway").send_signal(signal.SIGTERM)
+        wait_for(lambda: health(services.gateway) != SERVING, timeout_s=5, what="the gateway to stop serving")
+    chunks += list(stream)
+    tokens = sum((c.choices[0].model_extra.get("token_ids", []) for c in chunks if c.choices), [])
+    assert len(tokens) == 100 and chunks[-1].choices[0].finish_reason == "length"
+    assert services.process("gateway").wait(timeout=15) == 0
