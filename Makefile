@@ -1,5 +1,6 @@
 # The two commands of the README: `make run` (set up, start the three services on the embedded default model
-# on CPU and stream one demo request through them; Ctrl-C stops)
+# on CPU, the gateway's OpenAI-compatible HTTP API on 127.0.0.1:8000, and stream one demo request through them;
+# Ctrl-C stops)
 # and `make test` (set up with the test extras, then run the tests). Both are idempotent.
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
@@ -23,7 +24,7 @@ $(VENV)/.setup-test-done: $(VENV)/.setup-done
 	touch $@
 
 run: setup
-	$(VENV)/bin/treeserve up --target smollm2-135m --demo-prompt "$$(printf '$(DEMO_PROMPT)')"
+	$(VENV)/bin/treeserve up --target smollm2-135m --http 127.0.0.1:8000 --demo-prompt "$$(printf '$(DEMO_PROMPT)')"
 
 test: setup-test
 	$(PYTHON) -m pytest -q --durations=15

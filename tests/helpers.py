@@ -98,10 +98,10 @@ class Services:
             "--draft-timeout-s", "1", "--metrics-listen", f"127.0.0.1:{self.verifier_metrics}", *extra])
         return self.verifier
 
-    def start_gateway(self, verifier: str) -> str:
+    def start_gateway(self, verifier: str, *extra: str) -> str:
         self.gateway_metrics = free_port()
         self.gateway = self.stack.start("gateway", ["--target", self.target_path, "--verifier", verifier,
-                                                    "--metrics-listen", f"127.0.0.1:{self.gateway_metrics}"])
+                                                    "--metrics-listen", f"127.0.0.1:{self.gateway_metrics}", *extra])
         return self.gateway
 
     def process(self, name: str):

@@ -181,6 +181,8 @@ def test_the_gateway_is_published():
     port = tcp_port(listen_address(gateway))
     assert listen_address(gateway) == f"0.0.0.0:{port}"
     assert f"{port}:{port}" in gateway["ports"]
+    [http] = flag_values(gateway["command"], "--http")  # the OpenAI-compatible API
+    assert http.startswith("0.0.0.0:") and f"{tcp_port(http)}:{tcp_port(http)}" in gateway["ports"]
 
 
 def test_tracing_is_optional_and_goes_to_the_collector():
@@ -331,6 +333,14 @@ def test_compose_command_lines_serve_a_request(tmp_path):
         local_out, local_err = reference.communicate(timeout=120)
         assert reference.returncode == 0, local_err
         assert json.loads(via_compose.stdout)["token_ids"] == json.loads(local_out)["token_ids"]
+        [http] = flag_values(stack.services["gateway"]["command"], "--http")
+        body = {"prompt": "the cat sat on the mat and the cat sat", "max_tokens": 16, "temperature": 0,
+                "return_token_ids": True}
+        completion = urllib.request.Request(f"http://{stack.translate('gateway', http)}/v1/completions",
+                                            data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(completion, timeout=60) as response:
+            via_http = json.loads(response.read())
+        assert via_http["choices"][0]["token_ids"] == json.loads(local_out)["token_ids"]
         for service in stack.services:
             url = f"http://127.0.0.1:{stack.local_port(service, METRICS_PORT)}/metrics"
             with urllib.request.urlopen(url, timeout=10) as response:

@@ -7,34 +7,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import dataclasses
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from treeserve.errors import TreeserveError
+from gateway_fakes import MAX_CONTEXT, TEXT, FakeVerifier, running, smollm2_tokenizer, start_fake, steps_of
 from treeserve.gateway.client import add_client_arguments, generate_via_gateway, main_client
 from treeserve.detokenize import TextStream
-from treeserve.gateway.server import GatewayServicer, serve
 from treeserve.params import GenerationParams
-from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
+from treeserve.v1 import gateway_pb2, generation_pb2
 
-TEXT = "Hello 日本語 🙂 world"  # multi-byte characters that SmolLM2 splits over several tokens
-MAX_CONTEXT = 64
 JSON_KEYS = {"token_ids", "text", "finish_reason", "prompt_tokens", "rounds", "mean_accepted", "tokens_per_s",
              "prefill_s", "elapsed_s", "seed"}
 
 
 @pytest.fixture(scope="module")
 def tok():
-    from treeserve.loading import load_tokenizer
-
-    try:
-        return load_tokenizer("smollm2-135m")
-    except TreeserveError as error:
-        pytest.skip(str(error))
+    return smollm2_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -43,91 +33,8 @@ def eos(tok):
 
 
 @pytest.fixture(scope="module")
-def steps(tok, eos):
-    """TEXT's tokens two per step, then EOS."""
-    ids = tok.encode(TEXT)
-    return [ids[i:i + 2] for i in range(0, len(ids), 2)] + [[eos]]
-
-
-class FakeVerifier(verifier_pb2_grpc.VerifierServiceServicer):
-    """Streams `steps` (the last one with the final message), optionally waiting for `gate` before the last,
-    or aborts with `error`. Records the requests, their deadlines and whether a stream was cancelled."""
-
-    def __init__(self, steps, gated=False, error=None, interval_s=0.0, max_context=MAX_CONTEXT):
-        self.steps, self.error, self.interval_s, self.max_context = steps, error, interval_s, max_context
-        self.gate = asyncio.Event() if gated else None
-        self.requests, self.time_remaining = [], []
-        self.cancelled = asyncio.Event()
-
-    async def GetInfo(self, request, context):
-        return verifier_pb2.VerifierServiceGetInfoResponse(model="fake-smollm2", vocab_size=49152,
-                                                           max_context=self.max_context, eos_token_ids=[2], max_budget=32,
-                                                           default_budget=16)
-
-    async def Generate(self, request, context):
-        self.requests.append(request)
-        self.time_remaining.append(context.time_remaining())
-        if self.error:
-            await context.abort(*self.error)
-        try:
-            for step in self.steps[:-1]:
-                yield verifier_pb2.VerifierServiceGenerateResponse(token_ids=step)
-                if self.interval_s:
-                    await asyncio.sleep(self.interval_s)
-            if self.gate is not None:
-                await self.gate.wait()
-            n = sum(map(len, self.steps))
-            yield verifier_pb2.VerifierServiceGenerateResponse(
-                token_ids=self.steps[-1], finish_reason=generation_pb2.FINISH_REASON_STOP,
-                usage=generation_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=n),
-                stats=generation_pb2.SpeculationStats(rounds=len(self.steps) - 1, round_tokens=n - 2,
-                                                      mean_accepted=(n - 2) / (len(self.steps) - 1)),
-                seed=request.sampling.seed if request.sampling.HasField("seed") else 1234)
-        except asyncio.CancelledError:
-            self.cancelled.set()
-            raise
-
-
-@dataclasses.dataclass
-class Harness:
-    stub: gateway_pb2_grpc.GatewayServiceStub
-    servicer: GatewayServicer
-    address: str
-    channel: grpc.aio.Channel
-    servers: list
-    ready: asyncio.Task
-
-
-async def start_fake(fake, address: str) -> grpc.aio.Server:
-    """A fake verifier at `address`, its health SERVING as a real verifier's is once loaded."""
-    server = grpc.aio.server()
-    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(fake, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    server.add_insecure_port(address)
-    await server.start()
-    return server
-
-
-@contextlib.asynccontextmanager
-async def running(tmp_path, tok, fakes, down=0, **kwargs):
-    """The gateway in front of `fakes` plus `down` addresses where nothing listens."""
-    addresses = [f"unix://{tmp_path}/v{i}.sock" for i in range(len(fakes))]
-    servers = [await start_fake(fake, address) for fake, address in zip(fakes, addresses)]
-    addresses += [f"unix://{tmp_path}/down{i}.sock" for i in range(down)]
-    servicer = GatewayServicer(tok, addresses, **kwargs)
-    service, ready = await serve(f"unix://{tmp_path}/g.sock", servicer)
-    channel = grpc.aio.insecure_channel(service.address)
-    try:
-        yield Harness(gateway_pb2_grpc.GatewayServiceStub(channel), servicer, service.address, channel, servers, ready)
-    finally:
-        ready.cancel()
-        await channel.close()
-        await service.server.stop(0)
-        await servicer.close()
-        for server in servers:
-            await server.stop(0)
+def steps(tok):
+    return steps_of(tok)
 
 
 def request(prompt=TEXT, max_new_tokens=16, temperature=0.0, top_p=1.0, seed=None, **kwargs):
@@ -229,6 +136,26 @@ def test_bad_requests_are_invalid_argument(tmp_path, tok, steps):
     assert "prompt is empty" in messages[0] and "temperature" in messages[1] and "top_p" in messages[2]
     assert "context of 64" in messages[3] and "context of 64" in messages[4] and "budget" in messages[5]
     assert fake.requests == []
+
+
+def test_a_conversation_goes_through_the_chat_template(tmp_path, tok, steps):
+    turns = [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello."), ("user", TEXT)]
+    messages = [gateway_pb2.ChatMessage(role=role, content=content) for role, content in turns]
+
+    async def main():
+        fake = FakeVerifier(steps)
+        async with running(tmp_path, tok, [fake]) as h:
+            replies = [r async for r in h.stub.Generate(request(prompt="", messages=messages))]
+            refused = [await status_of(h.stub.Generate(r)) for r in (
+                request(messages=messages), request(prompt="", messages=[gateway_pb2.ChatMessage(role="tool")]))]
+        return fake, replies, refused
+
+    fake, replies, refused = asyncio.run(main())
+    assert "".join(r.text for r in replies) == TEXT
+    assert list(fake.requests[0].prompt_token_ids) == tok.encode_messages(
+        [{"role": role, "content": content} for role, content in turns])
+    assert [code for code, _ in refused] == [grpc.StatusCode.INVALID_ARGUMENT] * 2 and len(fake.requests) == 1
+    assert "not both" in refused[0][1] and "messages[0]: the role" in refused[1][1]
 
 
 def test_admission_limit_is_resource_exhausted(tmp_path, tok, steps):

@@ -109,6 +109,9 @@ def test_up_passes_its_settings_and_the_service_flags_on(monkeypatch):
     assert verifier[verifier.index("--drafter") + 1] == "unix:///tmp/d.sock" and "--listen" not in verifier
     assert service_argv("drafter", args)[service_argv("drafter", args).index("--max-budget") + 1] == "32"
     assert "--max-inflight" in service_argv("gateway", args, verifier=["unix:///tmp/v.sock"])
+    gateway = service_argv("gateway", up_settings("--http", "127.0.0.1:8123"), verifier=["unix:///tmp/v.sock"])
+    assert gateway[gateway.index("--http") + 1] == "127.0.0.1:8123"
+    assert "--http" not in service_argv("gateway", args, verifier=["unix:///tmp/v.sock"])  # off unless asked for
     with pytest.raises(TreeserveError, match="the verifier: argument --kv-cache-tokens: -5 is below 0"):
         service_argv("verifier", up_settings("--verifier-kv-cache-tokens", "-5"))
     monkeypatch.setenv("TREESERVE_DRAFTER_MAX_BUDGET", "0")  # what up does not set comes from the environment
@@ -117,9 +120,19 @@ def test_up_passes_its_settings_and_the_service_flags_on(monkeypatch):
 
 
 def test_a_bad_up_value_is_one_line_before_anything_starts(tmp_path, capsys):
+    import socket
+
     from treeserve.cli import main
 
     assert main(["up", "--runtime-dir", str(tmp_path), "--drafter-max-budget", "0"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "the drafter: argument --max-budget: 0 is below 1" in err
+    assert main(["up", "--runtime-dir", str(tmp_path), "--http", "8000"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the gateway: --http '8000': use HOST:PORT" in err
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        assert main(["up", "--runtime-dir", str(tmp_path), "--http", address]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot serve HTTP on {address}: " in err
     assert not list(tmp_path.iterdir())  # nothing started, no log written

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -33,16 +35,36 @@ def test_up_removes_its_own_runtime_folder_on_stop(tmp_path):
     assert not list(temp.iterdir())
 
 
-def test_up_client_and_shutdown(tmp_path):
+def streamed_chat(url: str, prompt: str, max_tokens: int) -> str:
+    """A streamed chat completion over HTTP, read as curl -N shows it: its text."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        lines = [line.decode().strip() for line in reply if line.strip()]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines), lines
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    return "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in chunks)
+
+
+def test_up_client_http_and_shutdown(tmp_path):
     target = str(tiny_models.write_hf_folder("qwen3", tmp_path / "model", seed=0))
     runtime = tmp_path / "run"
     up = subprocess.Popen([sys.executable, "-m", "treeserve", "up", "--target", target, "--runtime-dir", str(runtime),
-                           "--grace-s", "2", "--max-batch", "4", "--cuda-graphs", "off"],
+                           "--grace-s", "2", "--max-batch", "4", "--cuda-graphs", "off", "--http", "127.0.0.1:0"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = up.stdout.readline()  # printed once all three serve
         assert line.startswith("gateway: unix://"), (line, up.stderr.read() if up.poll() is not None else "")
         address = line.split(": ", 1)[1].strip()
+        http_line = up.stdout.readline()
+        assert re.fullmatch(r"http: http://127\.0\.0\.1:\d+\n", http_line), http_line
+        assert not http_line.endswith(":0\n")  # the free port up chose, as the gateway serves it
+        chat = treeserve("client", "--address", address, "--prompt", "the cat sat", "--chat", "--max-new-tokens", "12",
+                         "--json")
+        assert chat.returncode == 0, chat.stderr
+        assert streamed_chat(http_line.split(": ", 1)[1].strip(), "the cat sat", 12) == json.loads(chat.stdout)["text"]
         prompt = ["--prompt", "the cat sat on the mat and the cat sat", "--max-new-tokens", "24"]
         via_stack = treeserve("client", "--address", address, *prompt, "--json")
         assert via_stack.returncode == 0, via_stack.stderr

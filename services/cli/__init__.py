@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "--device cuda, fixed on the CPU)")
     up.add_argument("--verifier-metrics", metavar="HOST:PORT",
                     help="serve the verifier's Prometheus metrics here (what treeserve bench reads round times from)")
+    up.add_argument("--http", metavar="HOST:PORT",
+                    help="also serve the gateway's OpenAI-compatible HTTP API here, e.g. 127.0.0.1:8000 (port 0: a "
+                         "free one), printed as `http: URL` (default: off)")
     up.add_argument("--runtime-dir", help="folder for sockets and logs (default: a new temporary folder)")
     up.add_argument("--start-timeout-s", type=float, default=600, help="how long to wait for the services")
     up.add_argument("--grace-s", type=float, default=10, help="drain period on stop (default 10)")

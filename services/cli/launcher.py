@@ -1,9 +1,10 @@
 """`treeserve up`: the three services on Unix sockets in one runtime folder, on one machine.
 
 Starts drafter, verifier and gateway as child processes (logs in the runtime folder), waits until each reports
-SERVING on grpc.health.v1, prints `gateway: <address>`, and stops them all on Ctrl-C or SIGTERM. A drafter that
-exits is restarted with backoff (the verifier decodes without trees meanwhile); a verifier or gateway that exits
-stops the stack. A temporary runtime folder (no --runtime-dir) is removed on a clean stop.
+SERVING on grpc.health.v1, prints `gateway: <address>` (and, with --http, `http: <url>` of the gateway's
+OpenAI-compatible API), and stops them all on Ctrl-C or SIGTERM. A drafter that exits is restarted with backoff
+(the verifier decodes without trees meanwhile); a verifier or gateway that exits stops the stack. A temporary
+runtime folder (no --runtime-dir) is removed on a clean stop.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ UP_SETS = {
                 "drafter_path"),
     "verifier": ("listen", "target", "device", "dtype", "grace_s", "max_batch", "cuda_graphs", "default_budget",
                  "tp", "speculation", "metrics_listen", "drafter"),
-    "gateway": ("listen", "target", "grace_s", "verifier"),
+    "gateway": ("listen", "target", "grace_s", "verifier", "http"),
 }
 
 
@@ -181,7 +182,7 @@ def service_argv(service: str, args, **addresses) -> list[str]:
         "drafter": {"kind": args.drafter, "tree": args.tree, "drafter_path": args.drafter_path},
         "verifier": {"default_budget": args.budget, "tp": args.tp, "speculation": args.speculation,
                      "metrics_listen": args.verifier_metrics},
-        "gateway": {},
+        "gateway": {"http": args.http},
     }[service]
     given = {name: value for name, value in {**common, **own, **addresses}.items() if name in UP_SETS[service]}
     given |= {name.split("__", 1)[1]: value for name, value in vars(args).items()
@@ -220,8 +221,22 @@ def start_stack(stack: Stack, args) -> str:
     return gateway
 
 
+def claim_http(args) -> str | None:
+    """The URL of the gateway's HTTP API, once `args.http` is checked free to listen on (a port 0 becomes a free
+    port, so that the address can be printed); None without --http. Raises TreeserveError for a taken port, before
+    anything starts."""
+    if not args.http:
+        return None
+    from treeserve.gateway.openai_api import address_of, bind, url
+
+    with bind(args.http) as probe:
+        args.http = address_of(probe)
+        return url(probe)
+
+
 def run_up(args) -> int:
     check_settings(args)
+    http_url = claim_http(args)
     runtime = Path(args.runtime_dir) if args.runtime_dir else Path(tempfile.mkdtemp(prefix="treeserve-"))
     runtime.mkdir(parents=True, exist_ok=True)
     stack = Stack(runtime)
@@ -232,6 +247,8 @@ def run_up(args) -> int:
     try:
         gateway = start_stack(stack, args)
         print(f"gateway: {gateway}", flush=True)
+        if http_url is not None:
+            print(f"http: {http_url}", flush=True)
         say(f"(logs in {runtime}; Ctrl-C stops all)")
         if args.demo_prompt:
             from treeserve.gateway.client import stream_demo

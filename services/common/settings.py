@@ -162,8 +162,17 @@ def default_address(service: str) -> Callable[[], str]:
     return address
 
 
-def address_problems(*addresses: str, metrics_listen: str = "") -> list[str]:
-    """What is wrong with these listen or peer addresses, and with a metrics HOST:PORT (empty: off)."""
+def split_host_port(address: str) -> tuple[str, int]:
+    """HOST:PORT (an IPv6 host in brackets, [::1]:8000) as (host, port); raises TreeserveError otherwise."""
+    host, _, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise TreeserveError(f"{address!r}: use HOST:PORT")
+    return host, int(port)
+
+
+def address_problems(*addresses: str, metrics_listen: str = "", http: str = "") -> list[str]:
+    """What is wrong with these listen or peer addresses, and with a metrics or HTTP HOST:PORT (empty: off)."""
     from treeserve.serving import normalize_address
 
     problems = []
@@ -172,9 +181,12 @@ def address_problems(*addresses: str, metrics_listen: str = "") -> list[str]:
             normalize_address(address)
         except TreeserveError as error:
             problems.append(str(error))
-    host, _, port = metrics_listen.rpartition(":")
-    if metrics_listen and not (host and port.isdigit()):
-        problems.append(f"--metrics-listen {metrics_listen!r}: use HOST:PORT")
+    for flag, value in (("--metrics-listen", metrics_listen), ("--http", http)):
+        try:
+            if value:
+                split_host_port(value)
+        except TreeserveError as error:
+            problems.append(f"{flag} {error}")
     return problems
 
 
@@ -284,6 +296,10 @@ class GatewaySettings(Settings):
     max_inflight: int = option(256, "requests in flight at most; more are refused with RESOURCE_EXHAUSTED",
                                minimum=1)
     default_max_new_tokens: int = option(64, "for requests that leave max_new_tokens unset", minimum=1)
+    http: str = option("", "also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                           "/v1/models, /health) here, e.g. 127.0.0.1:8000 (default: off)", metavar="HOST:PORT")
+    http_timeout_s: float = option(0.0, "deadline of each HTTP request, seconds; past it the request ends with 504 "
+                                        "(default 0: none)", minimum=0)
     grace_s: float = option(10.0, "drain period on SIGTERM, seconds", minimum=0)
     metrics_listen: str = option("", "serve Prometheus metrics over HTTP here (default: off)", metavar="HOST:PORT")
     log_level: str = option("INFO", "how much to log", choices=LOG_LEVELS, upper=True)
@@ -291,7 +307,7 @@ class GatewaySettings(Settings):
     def problems(self) -> list[str]:
         if not self.verifier:
             return ["give at least one --verifier"]
-        return address_problems(self.listen, *self.verifier, metrics_listen=self.metrics_listen)
+        return address_problems(self.listen, *self.verifier, metrics_listen=self.metrics_listen, http=self.http)
 
 
 SERVICE_SETTINGS = {"verifier": VerifierSettings, "drafter": DrafterSettings, "gateway": GatewaySettings}

@@ -203,8 +203,10 @@ class GatewayMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("treeserve_gateway_requests", "Requests that ended, by gRPC status", ["code"],
-                                registry=r)
+        self.requests = Counter("treeserve_gateway_requests", "Requests that ended, by gRPC status (those that came "
+                                "over HTTP too)", ["code"], registry=r)
+        self.http_requests = Counter("treeserve_gateway_http_requests", "HTTP requests answered, by route and HTTP "
+                                     "status", ["route", "status"], registry=r)
         self.inflight = Gauge("treeserve_gateway_inflight_requests", "Requests in flight", registry=r)
         self.output_tokens = Counter("treeserve_gateway_output_tokens", "Tokens streamed to clients", registry=r)
         self.time_to_first_token = Histogram("treeserve_gateway_time_to_first_token_seconds",

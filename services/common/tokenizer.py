@@ -59,7 +59,7 @@ class Tokenizer:
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The model's chat template applied to `messages`, ready for the assistant's reply."""
         if not self.chat_template:
-            raise TreeserveError("--chat: this model has no chat template")
+            raise TreeserveError("this model has no chat template, which a chat request needs")
         try:
             return self._chat.render(messages=messages, add_generation_prompt=True,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
@@ -71,5 +71,9 @@ class Tokenizer:
         return self.encode_chat(text) if chat else self.encode(text)
 
     def encode_chat(self, user_text: str) -> list[int]:
+        return self.encode_messages([{"role": "user", "content": user_text}])
+
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation's ids through the chat template, ready for the assistant's reply."""
         # The template writes any BOS itself, so no special tokens are added on top.
-        return self.encode(self.render_chat([{"role": "user", "content": user_text}]), add_special_tokens=False)
+        return self.encode(self.render_chat(messages), add_special_tokens=False)

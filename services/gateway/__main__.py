@@ -20,19 +20,28 @@ async def serve(args, tokenizer) -> None:
     from treeserve.gateway.server import GatewayServicer, serve as start_gateway
     from treeserve.serving import run_until_signalled
 
+    http_socket = None
+    if args.http:
+        from treeserve.gateway import openai_api
+
+        http_socket = openai_api.bind(args.http)  # first: a port that is taken stops the gateway before it starts
     metrics = telemetry.GatewayMetrics()
     tracing = telemetry.start_telemetry("gateway", metrics, args.metrics_listen)
     servicer = GatewayServicer(tokenizer, args.verifier, args.max_inflight, args.default_max_new_tokens, tracing,
                                metrics)
     service, ready = await start_gateway(args.listen, servicer)
     log.info("gateway listening on %s; verifiers: %s", service.address, ", ".join(args.verifier))
+    http = None
+    if http_socket is not None:
+        http = openai_api.HttpListener(servicer, http_socket, args.http_timeout_s, args.grace_s)
+        await http.start()
 
     async def stop():
         ready.cancel()
         await servicer.close()
         tracing.shutdown()
 
-    await run_until_signalled(service, args.grace_s, stop)
+    await run_until_signalled(service, args.grace_s, stop, drain=http.stop if http is not None else None)
 
 
 def main(argv=None) -> int:

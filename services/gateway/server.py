@@ -7,17 +7,23 @@ while none has answered it yet. Text is streamed as it settles (see TextStream).
 Health follows the verifiers: SERVING while at least one verifier's own health says SERVING, NOT_SERVING
 otherwise. A prompt is refused by its size in bytes before tokenizing where it cannot fit the context, and long
 prompts are tokenized in a thread, so one client's large prompts never stall the other streams.
+
+`GatewayServicer.generate` is the one implementation of a request; the gRPC handler here and the
+OpenAI-compatible HTTP API (treeserve.gateway.openai_api) are two front doors to it, each answering its
+RequestFailed in its own protocol.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import functools
 import itertools
 import logging
 import time
 import uuid
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -42,6 +48,15 @@ TRY_NEXT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 # Prompts longer than this (characters) are tokenized in a thread; shorter ones cost less than the hand-off.
 INLINE_TOKENIZE_CHARS = 4096
 HEALTH_RETRY_S = 0.5  # between attempts to watch an unreachable verifier's health
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class RequestFailed(Exception):
+    """A request refused or failed, with the gRPC status that says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 class Undecodable:
@@ -164,39 +179,43 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         await asyncio.gather(*(v.channel.close() for v in self.verifiers))
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _model_info(self, context) -> verifier_pb2.VerifierServiceGetInfoResponse:
+    async def model_info(self) -> verifier_pb2.VerifierServiceGetInfoResponse:
+        """The served model's info; RequestFailed (UNAVAILABLE) while no verifier has answered."""
         if self.info is None and not await self.refresh_info():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no verifier answered: "
-                                + ", ".join(v.address for v in self.verifiers))
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
+                                "no verifier answered: " + ", ".join(v.address for v in self.verifiers))
         return self.info
 
     async def GetModelInfo(self, request, context):
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error())
-        info = await self._model_info(context)
+        try:
+            info = await self.model_info()
+        except RequestFailed as failure:
+            await context.abort(failure.code, failure.message)
         return gateway_pb2.GetModelInfoResponse(model=info.model, max_context=info.max_context,
                                                 max_new_tokens_limit=info.max_context - 1, max_budget=info.max_budget)
 
-    async def _prepare(self, request, context) -> tuple[verifier_pb2.VerifierServiceGenerateRequest, TextStream]:
-        """The verifier request and the text stream for a valid request; aborts with INVALID_ARGUMENT otherwise."""
+    async def _prepare(self, request) -> tuple[verifier_pb2.VerifierServiceGenerateRequest, TextStream]:
+        """The verifier request and the text stream for a valid request; RequestFailed (INVALID_ARGUMENT, or
+        UNAVAILABLE while no verifier answered) otherwise."""
         try:
             if isinstance(request, Undecodable):
                 raise TreeserveError(request.error())
-            if not request.prompt:
-                raise TreeserveError("the prompt is empty")
+            check_prompt(request)
             params = params_from_proto(request.sampling, request.stop, self.default_max_new_tokens)
             params.validate()
-            info = await self._model_info(context)
+            info = await self.model_info()
             budget = request.speculation.budget
             if not request.speculation.disabled and budget > info.max_budget:
                 raise TreeserveError(f"budget must be at most {info.max_budget}, got {budget}")
-            self._check_prompt_bytes(request.prompt, params.max_new_tokens, info.max_context)
-            ids = await self._tokenize(request.prompt, request.chat)
+            self._check_prompt_bytes(prompt_text(request), params.max_new_tokens, info.max_context)
+            ids = await self._tokenize(request)
             if len(ids) + params.max_new_tokens > info.max_context:
                 raise TreeserveError(f"prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
                                      f"exceeds the model's context of {info.max_context} tokens")
         except TreeserveError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         sampling, stop = params_to_proto(params)
         verifier_request = verifier_pb2.VerifierServiceGenerateRequest(
             request_id=uuid.uuid4().hex, prompt_token_ids=ids, sampling=sampling, stop=stop,
@@ -213,43 +232,66 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise TreeserveError(f"prompt ({size} bytes or more) plus max_new_tokens ({max_new_tokens}) exceeds the "
                                  f"model's context of {max_context} tokens: at most {limit} prompt bytes can fit")
 
-    async def _tokenize(self, prompt: str, chat: bool) -> list[int]:
-        if len(prompt) <= INLINE_TOKENIZE_CHARS:
-            return self.tokenizer.encode_prompt(prompt, chat)
-        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.tokenizer.encode_prompt,
-                                                                prompt, chat)
+    async def _tokenize(self, request) -> list[int]:
+        if request.messages:
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            encode = functools.partial(self.tokenizer.encode_messages, messages)
+        else:
+            encode = functools.partial(self.tokenizer.encode_prompt, request.prompt, request.chat)
+        if len(prompt_text(request)) <= INLINE_TOKENIZE_CHARS:
+            return encode()
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, encode)
 
     def _ranked(self) -> list[Verifier]:
         return sorted(self.verifiers, key=lambda v: (v.failed, v.inflight, v.last_pick))
 
     async def Generate(self, request, context):
-        """Counts and traces the request around `_generate`, which does the work."""
+        """The gRPC front door."""
+        replies = self.generate(request, context.time_remaining(), context.invocation_metadata() or ())
+        async with contextlib.aclosing(replies):  # a client that leaves mid-stream cancels the verifier's call too
+            try:
+                async for response in replies:
+                    yield response
+            except RequestFailed as failure:
+                await context.abort(failure.code, failure.message)
+
+    async def generate(self, request, time_remaining: float | None = None,
+                       trace_headers: Mapping[str, str] | Iterable[tuple[str, str]] = ()
+                       ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        """One request through the least busy verifier, whichever front door it came in by: its responses, the
+        last with the finish reason, usage and speculation stats. `time_remaining`: its deadline in seconds
+        (None: none); `trace_headers`: W3C trace context. Raises RequestFailed. Counts and traces the request
+        around `_generate`, which does the work."""
         span = self.tracing.tracer.start_span("gateway.generate", kind=trace.SpanKind.SERVER,
-                                              context=self.tracing.parent(context.invocation_metadata() or ()))
+                                              context=self.tracing.parent(trace_headers))
         outcome = "OK"
         try:
-            async for response in self._generate(request, context, span):
+            async for response in self._generate(request, time_remaining, span):
                 yield response
-        except asyncio.CancelledError:  # the client cancelled, left or ran out of time
+        except RequestFailed as failure:
+            outcome = failure.code.name
+            raise
+        except (asyncio.CancelledError, GeneratorExit):  # the client cancelled, left or ran out of time
             outcome = "CANCELLED"
             raise
         except BaseException:
-            outcome = context.code().name if context.code() is not None else "UNKNOWN"
+            outcome = "UNKNOWN"
             raise
         finally:
             self.metrics.requests.labels(code=outcome).inc()
             span.set_attribute("rpc.grpc.status_code", outcome)
             span.end()
 
-    async def _generate(self, request, context, span: trace.Span):
+    async def _generate(self, request, time_remaining: float | None, span: trace.Span):
         if self.inflight >= self.max_inflight:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the gateway is at its limit of {self.max_inflight} requests in flight; retry later")
+        deadline = None if time_remaining is None else time.monotonic() + time_remaining
         self.inflight += 1
         self.metrics.inflight.inc()
         try:
             started = time.perf_counter()
-            verifier_request, stream = await self._prepare(request, context)
+            verifier_request, stream = await self._prepare(request)
             span.set_attributes({"treeserve.request_id": verifier_request.request_id,
                                  "treeserve.prompt_tokens": len(verifier_request.prompt_token_ids)})
             trace_metadata = tuple(self.tracing.carrier(span).items())
@@ -257,7 +299,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             for attempt, verifier in enumerate(candidates):
                 verifier.inflight += 1
                 verifier.last_pick = next(self.picks)
-                call = verifier.stub.Generate(verifier_request, timeout=context.time_remaining(),
+                call = verifier.stub.Generate(verifier_request, timeout=seconds_left(deadline),
                                               metadata=trace_metadata)
                 replies, final = 0, None
                 try:
@@ -293,14 +335,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     else:
                         status = (grpc.StatusCode.UNAVAILABLE,
                                   f"verifier {verifier.address} failed: {code.name}: {error.details()}")
-                except asyncio.CancelledError:  # the client cancelled, left or ran out of time
+                except (asyncio.CancelledError, GeneratorExit):  # the client cancelled, left or ran out of time
                     log.info("request %s: cancelled after %d replies", verifier_request.request_id, replies)
                     raise
                 finally:
                     call.cancel()  # a no-op once the call is over; frees the verifier's work when the client left
                     verifier.inflight -= 1
                 log.warning("request %s: %s", verifier_request.request_id, status[1])
-                await context.abort(*status)
+                raise RequestFailed(*status)
         finally:
             self.inflight -= 1
             self.metrics.inflight.dec()
@@ -315,6 +357,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             response.stats.CopyFrom(reply.stats)
             response.seed = reply.seed
         return response
+
+
+def check_prompt(request: gateway_pb2.GenerateRequest) -> None:
+    """A prompt, or a conversation of known roles; raises TreeserveError otherwise."""
+    if request.prompt and request.messages:
+        raise TreeserveError("give a prompt or messages, not both")
+    if not request.prompt and not request.messages:
+        raise TreeserveError("the prompt is empty")
+    for i, message in enumerate(request.messages):
+        if message.role not in CHAT_ROLES:
+            raise TreeserveError(f"messages[{i}]: the role must be one of {', '.join(CHAT_ROLES)}, "
+                                 f"got {message.role!r}")
+
+
+def prompt_text(request: gateway_pb2.GenerateRequest) -> str:
+    """The request's own text, without any chat template: what its prompt's size in bytes is checked on."""
+    return request.prompt or "".join(message.content for message in request.messages)
+
+
+def seconds_left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 def register(servicer: GatewayServicer):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from treeserve.v1 import generation_pb2 as treeserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atreeserve/v1/gateway.proto\x12\x0ctreeserve.v1\x1a\x1dtreeserve/v1/generation.proto\"\xc1\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x0c\n\x04\x63hat\x18\x02 \x01(\x08\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.treeserve.v1.SamplingParams\x12*\n\x04stop\x18\x04 \x01(\x0b\x32\x1c.treeserve.v1.StopConditions\x12\x34\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1f.treeserve.v1.SpeculationParams\"\xc7\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.treeserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.treeserve.v1.Usage\x12-\n\x05stats\x18\x05 \x01(\x0b\x32\x1e.treeserve.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"\x15\n\x13GetModelInfoRequest\"l\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x1c\n\x14max_new_tokens_limit\x18\x03 \x01(\r\x12\x12\n\nmax_budget\x18\x04 \x01(\r2\xb4\x01\n\x0eGatewayService\x12K\n\x08Generate\x12\x1d.treeserve.v1.GenerateRequest\x1a\x1e.treeserve.v1.GenerateResponse0\x01\x12U\n\x0cGetModelInfo\x12!.treeserve.v1.GetModelInfoRequest\x1a\".treeserve.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atreeserve/v1/gateway.proto\x12\x0ctreeserve.v1\x1a\x1dtreeserve/v1/generation.proto\"\xee\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x0c\n\x04\x63hat\x18\x02 \x01(\x08\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.treeserve.v1.SamplingParams\x12*\n\x04stop\x18\x04 \x01(\x0b\x32\x1c.treeserve.v1.StopConditions\x12\x34\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1f.treeserve.v1.SpeculationParams\x12+\n\x08messages\x18\x06 \x03(\x0b\x32\x19.treeserve.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc7\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.treeserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.treeserve.v1.Usage\x12-\n\x05stats\x18\x05 \x01(\x0b\x32\x1e.treeserve.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"\x15\n\x13GetModelInfoRequest\"l\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bmax_context\x18\x02 \x01(\r\x12\x1c\n\x14max_new_tokens_limit\x18\x03 \x01(\r\x12\x12\n\nmax_budget\x18\x04 \x01(\r2\xb4\x01\n\x0eGatewayService\x12K\n\x08Generate\x12\x1d.treeserve.v1.GenerateRequest\x1a\x1e.treeserve.v1.GenerateResponse0\x01\x12U\n\x0cGetModelInfo\x12!.treeserve.v1.GetModelInfoRequest\x1a\".treeserve.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'treeserve.v1.gateway_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=76
-  _globals['_GENERATEREQUEST']._serialized_end=269
-  _globals['_GENERATERESPONSE']._serialized_start=272
-  _globals['_GENERATERESPONSE']._serialized_end=471
-  _globals['_GETMODELINFOREQUEST']._serialized_start=473
-  _globals['_GETMODELINFOREQUEST']._serialized_end=494
-  _globals['_GETMODELINFORESPONSE']._serialized_start=496
-  _globals['_GETMODELINFORESPONSE']._serialized_end=604
-  _globals['_GATEWAYSERVICE']._serialized_start=607
-  _globals['_GATEWAYSERVICE']._serialized_end=787
+  _globals['_GENERATEREQUEST']._serialized_end=314
+  _globals['_CHATMESSAGE']._serialized_start=316
+  _globals['_CHATMESSAGE']._serialized_end=360
+  _globals['_GENERATERESPONSE']._serialized_start=363
+  _globals['_GENERATERESPONSE']._serialized_end=562
+  _globals['_GETMODELINFOREQUEST']._serialized_start=564
+  _globals['_GETMODELINFOREQUEST']._serialized_end=585
+  _globals['_GETMODELINFORESPONSE']._serialized_start=587
+  _globals['_GETMODELINFORESPONSE']._serialized_end=695
+  _globals['_GATEWAYSERVICE']._serialized_start=698
+  _globals['_GATEWAYSERVICE']._serialized_end=878
 # @@protoc_insertion_point(module_scope)

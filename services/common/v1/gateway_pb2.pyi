@@ -8,18 +8,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "chat", "sampling", "stop", "speculation")
+    __slots__ = ("prompt", "chat", "sampling", "stop", "speculation", "messages")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     chat: bool
     sampling: _generation_pb2.SamplingParams
     stop: _generation_pb2.StopConditions
     speculation: _generation_pb2.SpeculationParams
-    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[_generation_pb2.StopConditions, _Mapping]] = ..., speculation: _Optional[_Union[_generation_pb2.SpeculationParams, _Mapping]] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, prompt: _Optional[str] = ..., chat: _Optional[bool] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[_generation_pb2.StopConditions, _Mapping]] = ..., speculation: _Optional[_Union[_generation_pb2.SpeculationParams, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "stats", "seed")
