@@ -27,3 +27,19 @@ def smollm2():
     from treeserve.loading import load_target
 
     return load_target("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    """A tiny random Qwen3 as a Hugging Face folder, for the modules that start services on it."""
+    import tiny_models
+
+    return str(tiny_models.write_hf_folder("qwen3", tmp_path_factory.mktemp("model"), seed=0))
+
+
+@pytest.fixture(scope="module")
+def target(model_path):
+    """That model loaded (a module with a target of its own defines its own `target`)."""
+    from treeserve.loading import load_target
+
+    return load_target(model_path)

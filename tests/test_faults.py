@@ -19,24 +19,12 @@ import sys
 import grpc
 import pytest
 
-import tiny_models
 from helpers import (NOT_SERVING, PROMPTS, SERVING, HealthWatch, Services, collect, counter, expected, health,
                      request, run_all, scrape, service_pid, start_up, stop_up, wait_for)
-from treeserve.loading import load_target
 from treeserve.serving import free_port
 from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return str(tiny_models.write_hf_folder("qwen3", tmp_path_factory.mktemp("model"), seed=0))
-
-
-@pytest.fixture(scope="module")
-def target(model_path):
-    return load_target(model_path)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-import tiny_models
 from treeserve.divergence import divergence, first_divergence
 from treeserve.loading import load_target
 from treeserve.params import GenerationParams
@@ -25,11 +24,6 @@ def test_divergence_is_the_first_position_that_differs():
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert divergence([1, 2, 3], [1, 5, 3]) == {"at": 1, "shared": [1], "first": 2, "other": 5}
     assert divergence([1, 2], [1, 2, 7]) == {"at": 2, "shared": [1, 2], "first": None, "other": 7}
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return str(tiny_models.write_hf_folder("qwen3", tmp_path_factory.mktemp("model"), seed=0))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-import tiny_models
 from helpers import PROMPTS, SERVING, Services, expected, health, request, run_all, scrape, wait_for
 from treeserve.loading import load_target
 from treeserve.v1 import gateway_pb2_grpc
@@ -35,11 +34,6 @@ def follower_pids(parent: int) -> list[int]:
         if ppid == parent and b"spawn_main" in cmdline:
             found.append(int(entry.name))
     return found
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return str(tiny_models.write_hf_folder("qwen3", tmp_path_factory.mktemp("model"), seed=0))
 
 
 @pytest.fixture(scope="module")
