@@ -147,6 +147,14 @@ class Supervisor:
         self.coming_back.add(name)
         say(f"restarted the {name} (restart {self.restarts[name]})")
 
+    def note_coming_back(self) -> None:
+        """Say which restarted services serve again since the last check (before a stop, so that the log says so
+        of one that came back between two checks)."""
+        for name in list(self.coming_back):
+            process, address, _ = self.stack.children[name]
+            if process.poll() is None:
+                self._note_serving(name, address)
+
     def _note_serving(self, name: str, address: str) -> None:
         if name in self.coming_back and is_serving(address):
             self.coming_back.discard(name)
@@ -269,6 +277,7 @@ def supervise(supervisor: Supervisor, stopping: list) -> None:
     while not stopping:
         supervisor.check()
         time.sleep(0.2)
+    supervisor.note_coming_back()
     counted = ", ".join(f"{name} {count}" for name, count in supervisor.restarts.items() if count)
     if counted:
         say(f"restarts: {counted}")
