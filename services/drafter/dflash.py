@@ -267,6 +267,9 @@ class RoundInputs:
         self.budgets, self.slots, self.positions = self.longs.split([max_batch, rows, rows])
         self.features = torch.zeros(rows, feature_size, dtype=dtype, device=device)
         self.host_longs = longs.pin_memory() if self.on_gpu else self.longs
+        # NumPy views of the host buffer, made once: the round fills them.
+        self.host_budgets, self.host_slots, self.host_positions = (
+            part.numpy() for part in self.host_longs.split([max_batch, rows, rows]))
         self.host_features = self.features.cpu().pin_memory() if self.on_gpu else self.features
         self.copied = torch.cuda.Event() if self.on_gpu else None
 
@@ -274,8 +277,7 @@ class RoundInputs:
         """This round's budgets and context rows (parts of (slots, positions, features) in turn), copied in."""
         if self.copied is not None:
             self.copied.synchronize()
-        budgets_np, slots_np, positions_np = (t.numpy() for t in self.host_longs.split(
-            [len(self.budgets), len(self.slots), len(self.positions)]))
+        budgets_np, slots_np, positions_np = self.host_budgets, self.host_slots, self.host_positions
         rows = sum(len(slots) for slots, _, _ in parts)
         if len(budgets) > len(budgets_np) or rows > len(slots_np):
             raise TreeserveError(f"dflash: {len(budgets)} budgets and {rows} context rows do not fit the round's "

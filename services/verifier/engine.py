@@ -270,7 +270,7 @@ class FeatureBacklog:
         else:
             order = np.concatenate([np.asarray(indexes[i], dtype=np.int64) for i in by_owner])
         piled = self.copies[0] if len(self.copies) == 1 else torch.cat(self.copies)
-        if len(order) and order[-1] - order[0] + 1 == len(order) and (np.diff(order) == 1).all():
+        if len(order) and (np.diff(order) == 1).all():
             grouped = piled[order[0]:order[-1] + 1]  # already in order (one request, or each once): no gather
         else:
             grouped = select_rows(piled, order)
