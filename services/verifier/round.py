@@ -196,8 +196,7 @@ DEVICE_POLL_S = 0.02
 async def wait_for_device(finished: torch.cuda.Event) -> None:
     """Until the device has passed `finished`, serving the streams meanwhile. The loop polls, yielding to every
     other task between polls: a wait in a worker thread ends in waking the loop's thread, which a small target's
-    round, about a millisecond, feels; a forward that runs long (a batch of long prompts) is waited for in a
-    thread."""
+    short round feels; a forward that runs long (a batch of long prompts) is waited for in a thread."""
     deadline = time.perf_counter() + DEVICE_POLL_S
     while not finished.query():
         if time.perf_counter() > deadline:
