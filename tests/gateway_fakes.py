@@ -121,7 +121,7 @@ async def running(tmp_path, tok, fakes, down=0, http=False, http_timeout_s=0.0, 
         await channel.close()
         if listener is not None:
             await listener.stop()
-        await service.server.stop(0)
+        await service.stop(0)
         await servicer.close()
         for server in servers:
             await server.stop(0)

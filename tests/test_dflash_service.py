@@ -11,7 +11,9 @@ import torch
 
 from random_targets import random_dflash_drafter, random_target, target_features, word_tokenizer
 from treeserve import serving
+from treeserve.drafter import server as drafter_server
 from treeserve.drafter.server import DrafterServicer
+from treeserve.framing import FramedCall
 from treeserve.loading import LoadedModel
 from treeserve.params import GenerationParams
 from treeserve.v1 import drafter_pb2, drafter_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
@@ -54,7 +56,8 @@ def recording_drafter(target):
 
 
 async def start_drafter(tmp_path, drafter):
-    return await serving.start(f"unix://{tmp_path}/drafter.sock", DrafterServicer(drafter).register)
+    """On a Unix socket, as `treeserve up` runs it: the verifier's link takes the Draft stream as frames."""
+    return await drafter_server.start(f"unix://{tmp_path}/drafter.sock", DrafterServicer(drafter))
 
 
 async def start_verifier(tmp_path, target, link: DrafterLink, speculation=None):
@@ -70,9 +73,9 @@ async def start_verifier(tmp_path, target, link: DrafterLink, speculation=None):
 
 async def stop_all(scheduler_task, verifier, link, drafter_service) -> None:
     scheduler_task.cancel()
-    await verifier.server.stop(0)
+    await verifier.stop(0)
     await link.close()
-    await drafter_service.server.stop(0)
+    await drafter_service.stop(0)
 
 
 def request(prompt, max_new_tokens=30):
@@ -124,6 +127,7 @@ def test_dflash_through_the_services_is_lossless_and_gets_the_target_features(tm
         link._messages = lambda *args: messages_per_round.append(len(built := build(*args))) or built
         verifier, scheduler, task = await start_verifier(tmp_path, target, link)
         assert link.up and scheduler.feature_layer_ids == drafter.feature_layer_ids
+        assert isinstance(link.call, FramedCall)  # a drafter on this host: frames on its own socket
         async with grpc.aio.insecure_channel(verifier.address) as channel:
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
             outputs = await asyncio.gather(*(collect(stub, request(p)) for p in PROMPTS))
@@ -190,6 +194,7 @@ def test_a_drafter_reached_over_tcp_drafts_as_over_a_unix_socket(tmp_path, targe
         drafter_service = await serving.start(address, DrafterServicer(drafter).register)
         link = DrafterLink(address, timeout_s=5.0)
         verifier, scheduler, task = await start_verifier(tmp_path, target, link)
+        assert link.up and not isinstance(link.call, FramedCall)  # over TCP: the gRPC stream
         async with grpc.aio.insecure_channel(verifier.address) as channel:
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
             outputs = await asyncio.gather(*(collect(stub, request(p)) for p in PROMPTS))
@@ -256,7 +261,7 @@ def test_a_restarted_dflash_drafter_gets_every_request_resent(tmp_path, target):
             pending = [asyncio.ensure_future(collect(stub, request(p, 60))) for p in PROMPTS]
             while not first.contexts or min(len(c.tokens) for c in first.contexts) < 12:
                 await asyncio.sleep(0.005)
-            await drafter_service.server.stop(0)  # the drafter dies mid-stream...
+            await drafter_service.stop(0)  # the drafter dies mid-stream...
             drafter_service = await start_drafter(tmp_path, second)  # ...and a new one takes its socket
             outputs = await asyncio.gather(*pending)
         await stop_all(task, verifier, link, drafter_service)
@@ -314,7 +319,7 @@ def test_features_of_the_wrong_shape_are_invalid_argument(tmp_path, target):
                 request_id="a", new_token_ids=[1, 2, 3], budget=4, features=features)]))
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await stream.read()
-        await service.server.stop(0)
+        await service.stop(0)
         return info, raised.value
 
     info, error = asyncio.run(main())

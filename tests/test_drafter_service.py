@@ -1,4 +1,5 @@
-"""The drafter gRPC service: in-process on a Unix socket, and `python -m treeserve.drafter` as a subprocess."""
+"""The drafter gRPC service: in-process on a Unix socket (its Draft stream over gRPC and as frames on the socket
+beside it), and `python -m treeserve.drafter` as a subprocess."""
 
 import asyncio
 import signal
@@ -15,6 +16,8 @@ from treeserve import serving
 from treeserve.drafter.__main__ import main, parse_args
 from treeserve.serving import default_address
 from treeserve.drafter.ngram import NgramDrafter
+from treeserve import framing
+from treeserve.drafter import server as drafter_server
 from treeserve.drafter.server import SERVICE_NAME, DrafterServicer
 from treeserve.tree import MAX_BUDGET
 from treeserve.v1 import drafter_pb2, drafter_pb2_grpc
@@ -26,14 +29,14 @@ def with_drafter(tmp_path, test, max_budget=MAX_BUDGET, serving_now=True):
     """Run `await test(service, channel, stub)` against a drafter served in-process on a Unix socket."""
     async def serve_and_test():
         servicer = DrafterServicer(NgramDrafter(), max_budget=max_budget)
-        service = await serving.start(f"unix://{tmp_path}/d.sock", servicer.register)
+        service = await drafter_server.start(f"unix://{tmp_path}/d.sock", servicer)
         if serving_now:
             await service.set_serving(True)
         try:
             async with grpc.aio.insecure_channel(service.address) as channel:
                 await test(service, channel, drafter_pb2_grpc.DrafterServiceStub(channel))
         finally:
-            await service.server.stop(None)
+            await service.stop(None)
     asyncio.run(serve_and_test())
 
 
@@ -57,7 +60,65 @@ def test_get_info(tmp_path):
     async def test(service, channel, stub):
         info = await stub.GetInfo(drafter_pb2.DrafterServiceGetInfoRequest())
         assert (info.kind, info.max_budget, list(info.feature_layer_ids)) == ("ngram", 32, [])
+        assert info.draft_socket == f"{tmp_path}/d.sock.draft"
     with_drafter(tmp_path, test, max_budget=32)
+
+
+def test_a_drafter_on_tcp_has_no_draft_socket():
+    async def main():
+        service = await drafter_server.start(f"127.0.0.1:{serving.free_port()}", DrafterServicer(NgramDrafter()))
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            info = await drafter_pb2_grpc.DrafterServiceStub(channel).GetInfo(
+                drafter_pb2.DrafterServiceGetInfoRequest())
+        await service.stop(0)
+        return info
+    assert asyncio.run(main()).draft_socket == ""
+
+
+async def framed_stream(stub) -> framing.FramedCall:
+    info = await stub.GetInfo(drafter_pb2.DrafterServiceGetInfoRequest())
+    return await framing.FramedCall.open(info.draft_socket, drafter_pb2.DraftResponse)
+
+
+def test_the_draft_socket_serves_the_stream_as_grpc_does(tmp_path):
+    """The same rounds through both doors give the same trees, and each keeps its own contexts."""
+    context = [1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 3, 7, 1, 2]
+
+    async def test(service, channel, stub):
+        framed, streamed = await framed_stream(stub), stub.Draft()
+        for stream in (framed, streamed):
+            assert await draft_round(stream, 1, item("a", context, budget=8)) == {"a": expected(context, 8)}
+            assert await draft_round(stream, 2, item("a", [3], budget=16)) == {"a": expected(context + [3], 16)}
+        assert await draft_round(framed, 3, item("a", finished=True), item("b", [4, 4, 4], budget=2)) == {
+            "b": expected([4, 4, 4], 2)}
+        framed.cancel()
+        await streamed.done_writing()
+    with_drafter(tmp_path, test)
+
+
+@pytest.mark.parametrize("frame, reason", [
+    (drafter_pb2.DraftRequest(round=7, items=[item("", [1], budget=2)]).SerializeToString(),
+     "round 7: an item has no request_id"),
+    (b"\xff\xff\xff", "no DraftRequest"),
+])
+def test_a_bad_frame_is_refused_with_its_reason_and_the_drafter_carries_on(tmp_path, frame, reason):
+    async def test(service, channel, stub):
+        stream = await framed_stream(stub)
+        framing.write_frame(stream.writer, frame)
+        with pytest.raises(framing.Refused, match=reason):
+            await stream.read()
+        stream.cancel()
+        assert await draft_round(await framed_stream(stub), 1, item("a", [3], budget=8)) == {"a": ([3], [-1])}
+    with_drafter(tmp_path, test, max_budget=8)
+
+
+def test_a_frame_above_the_limit_is_refused_before_it_is_read(tmp_path):
+    async def test(service, channel, stub):
+        stream = await framed_stream(stub)
+        stream.writer.write(framing.HEADER.pack(framing.MESSAGE, framing.MAX_FRAME_BYTES + 1))
+        with pytest.raises(framing.Refused, match="above the limit"):
+            await stream.read()
+    with_drafter(tmp_path, test)
 
 
 def test_stream_trees_match_ngram_drafter_on_accumulated_contexts(tmp_path):

@@ -65,12 +65,12 @@ class Stack:
 
     async def __aexit__(self, *exc):
         await self.channel.close()
-        await self.gateway.server.stop(0)
+        await self.gateway.stop(0)
         await self.gateway_servicer.close()
         self.scheduler_task.cancel()
-        await self.verifier.server.stop(0)
+        await self.verifier.stop(0)
         await self.link.close()
-        await self.drafter.server.stop(0)
+        await self.drafter.stop(0)
 
     async def generate(self, prompt: str, max_new_tokens: int) -> list[int]:
         request = gateway_pb2.GenerateRequest(prompt=prompt, stop=generation_pb2.StopConditions(

@@ -15,6 +15,7 @@ import pytest
 from random_targets import random_target, word_tokenizer
 from treeserve import serving
 from treeserve.drafter import NgramDrafter
+from treeserve.drafter import server as drafter_server
 from treeserve.drafter.server import DrafterServicer
 from treeserve.loading import LoadedModel
 from treeserve.params import GenerationParams
@@ -46,7 +47,8 @@ async def start_verifier(tmp_path, target, drafter_addresses, timeout_s=1.0, max
 
 
 async def start_drafter(tmp_path, name="drafter"):
-    return await serving.start(f"unix://{tmp_path}/{name}.sock", DrafterServicer(NgramDrafter()).register)
+    """On a Unix socket, as `treeserve up` runs it: the verifier's link takes the Draft stream as frames."""
+    return await drafter_server.start(f"unix://{tmp_path}/{name}.sock", DrafterServicer(NgramDrafter()))
 
 
 def request(prompt, max_new_tokens=24, **speculation):
@@ -83,8 +85,8 @@ def test_concurrent_requests_with_a_drafter_give_the_target_output(tmp_path, tar
             results = await asyncio.gather(*(collect(stub, request(p)) for p in prompts))
             info = await stub.GetInfo(verifier_pb2.VerifierServiceGetInfoRequest())
         task.cancel()
-        await service.server.stop(0)
-        await drafter.server.stop(0)
+        await service.stop(0)
+        await drafter.stop(0)
         return results, info, scheduler
 
     results, info, scheduler = asyncio.run(main())
@@ -109,10 +111,10 @@ def test_a_drafter_that_is_down_or_dies_costs_speed_not_tokens(tmp_path, target)
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
             pending = [asyncio.ensure_future(collect(stub, request(p, max_new_tokens=40))) for p in prompts]
             await asyncio.sleep(0.05)
-            await drafter.server.stop(0)
+            await drafter.stop(0)
             results = await asyncio.gather(*pending)
         task.cancel()
-        await service.server.stop(0)
+        await service.stop(0)
         return results
 
     for prompt, (tokens, _) in zip(prompts, asyncio.run(main())):
@@ -145,8 +147,8 @@ def test_the_forwards_run_on_the_thread_that_loaded_the_target(tmp_path, target,
         async with grpc.aio.insecure_channel(service.address) as channel:
             tokens, _ = await collect(verifier_pb2_grpc.VerifierServiceStub(channel), request(prompt, 20))
         task.cancel()
-        await service.server.stop(0)
-        await drafter.server.stop(0)
+        await service.stop(0)
+        await drafter.stop(0)
         return tokens
 
     assert asyncio.run(main()) == expected(target, prompt, 20)
@@ -172,8 +174,8 @@ def test_cancelling_a_request_frees_it_and_others_finish(tmp_path, target):
                 await asyncio.sleep(0.01)
             leftover = len(scheduler.running) + len(scheduler.waiting)
         task.cancel()
-        await service.server.stop(0)
-        await drafter.server.stop(0)
+        await service.stop(0)
+        await drafter.stop(0)
         return tokens, leftover, scheduler.verifier.pool.allocator
 
     tokens, leftover, allocator = asyncio.run(main())
@@ -201,7 +203,7 @@ def test_a_batch_never_grows_past_max_batch(tmp_path, target):
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
             results = await asyncio.gather(*(collect(stub, request(p)) for p in prompts))
         task.cancel()
-        await service.server.stop(0)
+        await service.stop(0)
         return results, batches
 
     results, batches = asyncio.run(main())
@@ -224,8 +226,8 @@ def test_requests_wait_for_kv_room_and_one_too_large_is_refused(tmp_path, target
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await collect(stub, request(prompts[0], max_new_tokens=90))
         task.cancel()
-        await service.server.stop(0)
-        await drafter.server.stop(0)
+        await service.stop(0)
+        await drafter.stop(0)
         return results, refused.value, scheduler.verifier.pool.allocator
 
     results, refused, allocator = asyncio.run(main())
@@ -250,7 +252,7 @@ def test_bad_requests_are_invalid_argument(tmp_path, target, message, text):
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await collect(verifier_pb2_grpc.VerifierServiceStub(channel), message)
         task.cancel()
-        await service.server.stop(0)
+        await service.stop(0)
         return error.value
 
     error = asyncio.run(main())
@@ -283,8 +285,8 @@ def test_a_lone_request_of_a_drafter_without_features_is_not_given_up(tmp_path, 
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
             results = [await collect(stub, request(prompt)) for prompt in prompts]
         task.cancel()
-        await service.server.stop(0)
-        await drafter.server.stop(0)
+        await service.stop(0)
+        await drafter.stop(0)
         return results, scheduler
 
     results, scheduler = asyncio.run(main())
@@ -317,8 +319,8 @@ def test_where_drafting_has_stopped_paying_running_requests_stop_drafting(tmp_pa
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
             results = await asyncio.gather(*(collect(stub, request(prompt)) for prompt in prompts))
         task.cancel()
-        await service.server.stop(0)
-        await drafter.server.stop(0)
+        await service.stop(0)
+        await drafter.stop(0)
         return results, scheduler
 
     results, scheduler = asyncio.run(main())
@@ -362,8 +364,8 @@ def test_a_stalled_drafter_does_not_price_the_rounds_verification(tmp_path, targ
         async with grpc.aio.insecure_channel(service.address) as channel:
             tokens, _ = await collect(verifier_pb2_grpc.VerifierServiceStub(channel), request(prompt))
         task.cancel()
-        await service.server.stop(0)
-        await drafter.server.stop(0)
+        await service.stop(0)
+        await drafter.stop(0)
         return tokens, stalling.messages, learnt
 
     tokens, stalled_rounds, learnt = asyncio.run(main())

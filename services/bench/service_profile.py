@@ -35,6 +35,9 @@ def parse_args(argv=None):
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--drafter", default="merged", choices=sorted(DRAFTER_CONFIGS))
     p.add_argument("--budget", type=int, default=16, help="the speculative mode's tree budget (default 16)")
+    p.add_argument("--speculation", default="fixed", choices=("fixed", "adaptive"),
+                   help="the verifier's policy (default fixed; adaptive: the speculative mode's requests ask for "
+                        "trees, and the policy chooses which rounds draft)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--workload", default="code", choices=sorted(WORKLOADS))
@@ -157,7 +160,7 @@ def main(argv=None) -> int:
         print("service_profile: py-spy not found; recording round phases only", file=sys.stderr)
     kind, tree = DRAFTER_CONFIGS[args.drafter]
     up = up_settings("--target", args.target, "--drafter", kind, "--tree", tree, "--budget", str(args.budget),
-                     "--device", args.device, "--dtype", args.dtype, "--speculation", "fixed",
+                     "--device", args.device, "--dtype", args.dtype, "--speculation", args.speculation,
                      "--verifier-metrics", f"127.0.0.1:{args.metrics_port}", "--grace-s", "2",
                      "--start-timeout-s", str(args.start_timeout_s))
     prompts = read_prompts(Path(args.prompts) if args.prompts else WORKLOADS[args.workload])
@@ -165,7 +168,8 @@ def main(argv=None) -> int:
     stack = Stack(out_dir / "runtime")
     (out_dir / "runtime").mkdir(exist_ok=True)
     command = " ".join(["python -m treeserve.bench.service_profile", *(argv or sys.argv[1:])])
-    report = {"command": command, "drafter": args.drafter, "budget": args.budget, "device": args.device,
+    report = {"command": command, "drafter": args.drafter, "budget": args.budget, "speculation": args.speculation,
+              "device": args.device,
               "dtype": args.dtype, "prompts": args.prompts or args.workload, "py_spy": py_spy is not None, "runs": []}
     try:
         gateway = start_stack(stack, up)

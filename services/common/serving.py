@@ -90,6 +90,12 @@ class Service:
     def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, address: str,
                  names: list[str] = ()):
         self.server, self.health, self.address, self.names = server, health_servicer, address, list(names)
+        # Other listeners of the service, each stopped with the server: `await stop(grace_s)`.
+        self.listeners: list[Callable[[float], Awaitable[None]]] = []
+
+    async def stop(self, grace_s: float | None) -> None:
+        """Stop the server and the service's other listeners, giving open streams `grace_s` seconds."""
+        await asyncio.gather(self.server.stop(grace_s), *(stop(grace_s or 0) for stop in self.listeners))
 
     async def ready(self) -> None:
         """Startup is done: freeze what it made (freeze_startup_objects), then health SERVING."""
@@ -145,7 +151,7 @@ async def run_until_signalled(service: Service, grace_s: float,
     await asyncio.wait([server_done, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     log.info("stopping: draining in-flight streams for up to %.0f s", grace_s)
     await service.stopping()
-    await asyncio.gather(service.server.stop(grace_s), *([drain()] if drain is not None else []))
+    await asyncio.gather(service.stop(grace_s), *([drain()] if drain is not None else []))
     if on_stop is not None:
         await on_stop()
     socket = unix_socket_path(service.address)
@@ -155,7 +161,7 @@ async def run_until_signalled(service: Service, grace_s: float,
 
 async def abandon(service: Service) -> None:
     """Stop at once and remove the socket: for a service whose startup failed after it began listening."""
-    await service.server.stop(0)
+    await service.stop(0)
     socket = unix_socket_path(service.address)
     if socket is not None:
         socket.unlink(missing_ok=True)

@@ -10,7 +10,7 @@ import sys
 
 from treeserve import serving, telemetry
 from treeserve.drafter import load_drafter, resolve_kind
-from treeserve.drafter.server import DrafterServicer
+from treeserve.drafter.server import DrafterServicer, start
 from treeserve.errors import TreeserveError
 from treeserve.settings import DrafterSettings
 
@@ -26,7 +26,7 @@ async def serve(args: DrafterSettings) -> None:
     metrics = telemetry.DrafterMetrics()
     tracing = telemetry.start_telemetry("drafter", metrics, args.metrics_listen)
     servicer = DrafterServicer(None, args.max_budget, tracing, metrics)
-    service = await serving.start(args.listen, servicer.register)
+    service = await start(args.listen, servicer)
     log.info("drafter %s listening on %s; loading", args.kind, service.address)
     try:
         from treeserve.models.graphs import graphs_wanted
@@ -40,7 +40,8 @@ async def serve(args: DrafterSettings) -> None:
         await serving.abandon(service)
         raise
     await service.ready()
-    log.info("drafter %s (max budget %d) serving on %s", args.kind, args.max_budget, service.address)
+    log.info("drafter %s (max budget %d) serving on %s%s", args.kind, args.max_budget, service.address,
+             f" (and Draft streams as frames on {servicer.frame_socket})" if servicer.frame_socket else "")
     await serving.run_until_signalled(service, args.grace_s)
     tracing.shutdown()
     log.info("drafter stopped")

@@ -1,4 +1,5 @@
-"""The drafter as a gRPC service: one long-lived Draft stream per verifier, one tree per request per round.
+"""The drafter as a gRPC service: one long-lived Draft stream per verifier, one tree per request per round (over
+gRPC, or as frames on a Unix socket beside the gRPC one for a verifier on this host: treeserve.framing).
 
 Each stream keeps the token context of its own requests only (they belong to the one verifier on the other end),
 so contexts live exactly as long as the stream: when the verifier disconnects or cancels, they are freed.
@@ -6,13 +7,17 @@ so contexts live exactly as long as the stream: when the verifier disconnects or
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
+from pathlib import Path
 
 import grpc
 
 from opentelemetry import trace
 
+from treeserve import framing, serving
 from treeserve.errors import TreeserveError
 from treeserve.telemetry import DrafterMetrics, Tracing
 from treeserve.tree import MAX_BUDGET, DraftContext, Drafter, DraftPoolFull
@@ -24,6 +29,16 @@ log = logging.getLogger("treeserve.drafter")
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
 
 
+async def start(listen: str, servicer: "DrafterServicer") -> serving.Service:
+    """serving.start for a drafter: gRPC on `listen` and, on a Unix socket, the Draft stream as frames beside it
+    (stopped with the service)."""
+    service = await serving.start(listen, servicer.register)
+    path = framing.local_draft_socket(service.address)
+    if path is not None and await servicer.listen_for_frames(path):
+        service.listeners.append(servicer.stop_frames)
+    return service
+
+
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     def __init__(self, drafter: Drafter | None, max_budget: int = MAX_BUDGET, tracing: Tracing | None = None,
                  metrics: DrafterMetrics | None = None):
@@ -33,6 +48,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.drafter, self.max_budget = drafter, max_budget
         self.tracing = tracing or Tracing.off()
         self.metrics = metrics or DrafterMetrics()
+        self.frame_socket = ""  # where it also takes Draft streams as frames (listen_for_frames); "": nowhere
+        self.frame_server: asyncio.AbstractServer | None = None
+        self.frame_writers: set[asyncio.StreamWriter] = set()  # the framed streams open now
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         """For serving.start: add this servicer and name it for reflection."""
@@ -46,30 +64,91 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if self.drafter is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is still loading")
         return drafter_pb2.DrafterServiceGetInfoResponse(kind=self.drafter.name, max_budget=self.max_budget,
-                                                         feature_layer_ids=self.drafter.feature_layer_ids)
+                                                         feature_layer_ids=self.drafter.feature_layer_ids,
+                                                         draft_socket=self.frame_socket)
 
     async def Draft(self, request_iterator, context):
         if self.drafter is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is still loading")
-        contexts: dict[str, DraftContext] = {}  # request_id -> its draft context, this stream only
-        dropped: set[str] = set()  # requests whose context did not fit: no trees for them, until they finish
         log.debug("draft stream opened by %s", context.peer())
-        self.metrics.streams.inc()
-        try:
+        with self.stream() as answer:
             async for request in request_iterator:
-                started = time.perf_counter()
-                held = len(contexts)
                 try:
-                    trees = self.draft_round(request, contexts, dropped)
+                    response = answer(request)
                 except TreeserveError as error:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"round {request.round}: {error}")
-                elapsed = time.perf_counter() - started
-                self.metrics.contexts.inc(len(contexts) - held)
-                self.metrics.rounds.inc()
-                self.metrics.propose_seconds.observe(elapsed)
-                yield drafter_pb2.DraftResponse(round=request.round, trees=trees, propose_seconds=elapsed)
+                yield response
+
+    async def serve_frames(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The Draft stream of a verifier on this host, over the socket beside the gRPC one (treeserve.framing):
+        the same messages and answers; a bad one ends the stream with a refusal frame saying why."""
+        self.frame_writers.add(writer)
+        try:
+            if self.drafter is None:
+                raise framing.FrameError("the drafter is still loading")
+            with self.stream() as answer:
+                while (request := await framing.read_message(reader, drafter_pb2.DraftRequest)) is not None:
+                    try:
+                        response = answer(request)
+                    except TreeserveError as error:
+                        raise framing.FrameError(f"round {request.round}: {error}") from None
+                    framing.write_frame(writer, response.SerializeToString())
+                    await writer.drain()
+        except framing.FrameError as error:
+            framing.write_frame(writer, str(error).encode(), framing.REFUSAL)
+        except ConnectionError:  # the verifier went away (or refused: it sends no such frame)
+            pass
         finally:
-            log.debug("draft stream from %s closed, dropping %d contexts", context.peer(), len(contexts))
+            self.frame_writers.discard(writer)
+            writer.close()
+
+    async def listen_for_frames(self, path: Path) -> bool:
+        """Take Draft streams as frames on `path` too, and say so in GetInfo; True if it listens there."""
+        try:
+            path.unlink(missing_ok=True)
+            self.frame_server = await asyncio.start_unix_server(self.serve_frames, str(path),
+                                                                limit=framing.READ_BUFFER_BYTES)
+        except OSError as error:  # a path too long for a socket, say: gRPC serves every verifier then
+            log.warning("cannot take Draft streams on %s (%s): gRPC only", path, error)
+            return False
+        self.frame_socket = str(path)
+        return True
+
+    async def stop_frames(self, grace_s: float) -> None:
+        """Take no more framed streams, give the open ones `grace_s` seconds, then end them, as gRPC does its own."""
+        if self.frame_server is None:
+            return
+        self.frame_server.close()
+        self.frame_socket, path = "", self.frame_socket
+        deadline = time.monotonic() + grace_s
+        while self.frame_writers and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for writer in list(self.frame_writers):
+            writer.close()
+        Path(path).unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def stream(self):
+        """One Draft stream's state, through whichever door it came: yields its `answer(request) -> response`
+        (TreeserveError for a bad round, which leaves every context as it was). The stream's contexts are freed
+        when it ends."""
+        contexts: dict[str, DraftContext] = {}  # request_id -> its draft context, this stream only
+        dropped: set[str] = set()  # requests whose context did not fit: no trees for them, until they finish
+        self.metrics.streams.inc()
+
+        def answer(request: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:
+            started, held = time.perf_counter(), len(contexts)
+            trees = self.draft_round(request, contexts, dropped)
+            elapsed = time.perf_counter() - started
+            self.metrics.contexts.inc(len(contexts) - held)
+            self.metrics.rounds.inc()
+            self.metrics.propose_seconds.observe(elapsed)
+            return drafter_pb2.DraftResponse(round=request.round, trees=trees, propose_seconds=elapsed)
+
+        try:
+            yield answer
+        finally:
+            log.debug("draft stream closed, dropping %d contexts", len(contexts))
             for held_context in contexts.values():
                 self.drafter.release(held_context)
             self.metrics.streams.dec()

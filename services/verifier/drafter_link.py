@@ -1,4 +1,5 @@
-"""The verifier's side of one drafter: a long-lived Draft stream, and what each request has been sent on it.
+"""The verifier's side of one drafter: a long-lived Draft stream (gRPC, or frames on the drafter's Unix socket
+when it is on this host: treeserve.framing), and what each request has been sent on it.
 
 A request stays with one drafter, which holds its draft context. If the drafter is down, answers late or
 breaks the stream, the link marks itself down (its requests decode without trees meanwhile, never wrong) and
@@ -16,6 +17,7 @@ import time
 import grpc
 
 from treeserve.errors import TreeserveError
+from treeserve.framing import FramedCall
 from treeserve.serving import client_options, normalize_address
 from treeserve.tree import DraftTree
 from treeserve.v1 import drafter_pb2, drafter_pb2_grpc
@@ -146,13 +148,25 @@ class DrafterLink:
             info = await self.stub.GetInfo(drafter_pb2.DrafterServiceGetInfoRequest(), timeout=self.timeout_s)
             self.kind, self.max_budget = info.kind, info.max_budget
             self.feature_layer_ids = tuple(info.feature_layer_ids)
-            self.call = self.stub.Draft()
+            self.call = await self._open_stream(info.draft_socket)
             self.sent.clear()
             self.backoff_s = 0.1
-            log.info("drafter %s (%s, max budget %d) connected", self.address, self.kind, self.max_budget)
+            log.info("drafter %s (%s, max budget %d) connected%s", self.address, self.kind, self.max_budget,
+                     " (Draft stream as frames on its Unix socket)" if isinstance(self.call, FramedCall) else "")
         except grpc.aio.AioRpcError as error:
             self._down(f"connect failed: {error.code().name}")
         return self.up
+
+    async def _open_stream(self, draft_socket: str):
+        """The Draft stream: as frames on the drafter's own Unix socket for it when it has one and this link
+        reaches it over a Unix socket too (so on its host), else over gRPC."""
+        if draft_socket and self.address.startswith("unix://"):
+            try:
+                return await FramedCall.open(draft_socket, drafter_pb2.DraftResponse)
+            except OSError as error:
+                log.warning("drafter %s: its draft socket %s: %s; drafting over gRPC", self.address, draft_socket,
+                            error)
+        return self.stub.Draft()
 
     def forget(self, request_id: str) -> None:
         if self.sent.pop(request_id, None) is not None:
@@ -200,7 +214,8 @@ class DrafterLink:
             self._down(f"dropping finished requests failed: {describe(error)}")
 
     async def _reply_to(self, message: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:
-        reply = await asyncio.wait_for(self.call.read(), self.timeout_s)
+        async with asyncio.timeout(self.timeout_s):  # (wait_for would start a task a read)
+            reply = await self.call.read()
         if reply is grpc.aio.EOF or reply.round != message.round:
             raise ConnectionError("the stream ended or answered out of turn")
         return reply

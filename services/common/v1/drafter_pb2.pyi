@@ -74,11 +74,13 @@ class DrafterServiceGetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterServiceGetInfoResponse(_message.Message):
-    __slots__ = ("kind", "max_budget", "feature_layer_ids")
+    __slots__ = ("kind", "max_budget", "feature_layer_ids", "draft_socket")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MAX_BUDGET_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SOCKET_FIELD_NUMBER: _ClassVar[int]
     kind: str
     max_budget: int
     feature_layer_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kind: _Optional[str] = ..., max_budget: _Optional[int] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_socket: str
+    def __init__(self, kind: _Optional[str] = ..., max_budget: _Optional[int] = ..., feature_layer_ids: _Optional[_Iterable[int]] = ..., draft_socket: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,103 @@
+"""The Draft stream over a plain Unix socket, for a verifier on the drafter's host.
+
+gRPC is the drafter's contract (GetInfo, health, reflection, and the Draft stream for a drafter on another host),
+but each message through grpc.aio costs its core's threads and queues, several times what the same protobuf
+costs written to a socket: at a small target that is a good part of a round. A drafter listening on a Unix
+socket therefore also takes the same stream on a socket beside it (`local_draft_socket`, named in GetInfo): the
+same DraftRequest and DraftResponse messages, each in a frame of a kind byte and a length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from pathlib import Path
+
+from google.protobuf.message import DecodeError
+
+from treeserve.errors import TreeserveError
+from treeserve.serving import MESSAGE_OPTIONS, unix_socket_path
+
+HEADER = struct.Struct("<BI")  # kind, payload length
+MESSAGE, REFUSAL = 0, 1  # a protobuf message; the drafter's reason for ending the stream (UTF-8)
+MAX_FRAME_BYTES = dict(MESSAGE_OPTIONS)["grpc.max_receive_message_length"]  # as over gRPC
+# How much a stream's reader buffers before it stops reading the socket: a round's message at a large batch is
+# about a megabyte (its target features).
+READ_BUFFER_BYTES = 4 << 20
+
+
+class FrameError(TreeserveError):
+    """A frame that breaks the protocol (unknown kind, too long)."""
+
+
+def local_draft_socket(grpc_address: str) -> Path | None:
+    """Where a drafter serving gRPC on `grpc_address` takes the Draft stream as frames: beside its Unix socket
+    (None for a TCP address, whose verifiers may be on other hosts)."""
+    path = unix_socket_path(grpc_address)
+    return None if path is None else path.with_name(path.name + ".draft")
+
+
+def write_frame(writer: asyncio.StreamWriter, payload: bytes, kind: int = MESSAGE) -> None:
+    writer.write(HEADER.pack(kind, len(payload)) + payload)
+
+
+class Refused(ConnectionError):
+    """The other end ended the stream with a refusal frame; the message is its reason."""
+
+
+async def read_message(reader: asyncio.StreamReader, message_type):
+    """The next frame's message (a `message_type`), or None where the stream ends between frames. Raises Refused
+    for a refusal frame, and FrameError for a frame that breaks the protocol (or a stream cut inside one)."""
+    try:
+        header = await reader.readexactly(HEADER.size)
+    except asyncio.IncompleteReadError as error:
+        if not error.partial:
+            return None
+        raise FrameError("the stream ended inside a frame's header") from None
+    kind, length = HEADER.unpack(header)
+    if kind not in (MESSAGE, REFUSAL):
+        raise FrameError(f"unknown frame kind {kind}")
+    if length > MAX_FRAME_BYTES:
+        raise FrameError(f"a frame of {length} bytes is above the limit of {MAX_FRAME_BYTES}")
+    try:
+        payload = await reader.readexactly(length)
+    except asyncio.IncompleteReadError:
+        raise FrameError(f"the stream ended inside a frame of {length} bytes") from None
+    if kind == REFUSAL:
+        raise Refused(payload.decode(errors="replace"))
+    try:
+        return message_type.FromString(payload)
+    except DecodeError as error:
+        raise FrameError(f"a frame that is no {message_type.DESCRIPTOR.name}: {error}") from None
+
+
+class FramedCall:
+    """The verifier's end of a Draft stream over frames, used as the link uses a grpc.aio stream call: `write`
+    a request, `read` a response (a `response_type`), `cancel`. A stream that ends, breaks the protocol or that
+    the drafter refused raises ConnectionError."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, response_type):
+        self.reader, self.writer, self.response_type = reader, writer, response_type
+
+    @classmethod
+    async def open(cls, path: str, response_type) -> "FramedCall":
+        reader, writer = await asyncio.open_unix_connection(path, limit=READ_BUFFER_BYTES)
+        return cls(reader, writer, response_type)
+
+    async def write(self, message) -> None:
+        write_frame(self.writer, message.SerializeToString())
+        await self.writer.drain()
+
+    async def read(self):
+        try:
+            message = await read_message(self.reader, self.response_type)
+        except Refused as error:
+            raise Refused(f"the drafter refused the stream: {error}") from None
+        except FrameError as error:
+            raise ConnectionError(f"the draft socket broke the protocol: {error}") from None
+        if message is None:
+            raise ConnectionError("the draft socket closed")
+        return message
+
+    def cancel(self) -> None:
+        self.writer.close()
