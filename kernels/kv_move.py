@@ -15,9 +15,16 @@ import triton.language as tl
 
 # Moves per launch, and elements a program holds at once (moves x columns).
 MOVES_PER_LAUNCH, TILE = 4096, 16384
+# The move counts a launch is compiled for (a count is padded up to the next): few, and each compiled at start-up
+# (`warm_up`), since a compilation during serving stops every request for a good part of a second.
+PADDED_MOVES = tuple(1 << bits for bits in range(4, MOVES_PER_LAUNCH.bit_length()))
 
 
-@triton.jit
+def padded_moves(moves: int) -> int:
+    return max(PADDED_MOVES[0], triton.next_power_of_2(moves))
+
+
+@triton.jit(do_not_specialize=["moves"])  # (1, or a multiple of 16, would each compile apart)
 def _kv_move_kernel(cache_ptr, sources_ptr, targets_ptr, moves, slab_stride, ROW_SIZE: tl.constexpr,
                     MOVES: tl.constexpr, BLOCK: tl.constexpr):
     slab = tl.program_id(0).to(tl.int64)
@@ -42,8 +49,16 @@ def kv_move(cache: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor) -
     sources, targets = sources.to(torch.int64).contiguous(), targets.to(torch.int64).contiguous()
     for start in range(0, len(sources), MOVES_PER_LAUNCH):
         moves = min(MOVES_PER_LAUNCH, len(sources) - start)
-        padded = max(16, triton.next_power_of_2(moves))  # a few compiled sizes, not one per count
+        padded = padded_moves(moves)
         block = max(1, min(triton.next_power_of_2(row_size), TILE // padded))
         _kv_move_kernel[(slabs, triton.cdiv(row_size, block))](
             cache, sources[start:], targets[start:], moves, slots * row_size, ROW_SIZE=row_size, MOVES=padded,
             BLOCK=block)
+
+
+def warm_up(cache: torch.Tensor) -> None:
+    """Compile the kernel for every padded move count on `cache` (its row size, dtype and strides), moving slot 0
+    onto itself: the cache is as before."""
+    for moves in PADDED_MOVES:
+        zeros = torch.zeros(moves, dtype=torch.int64, device=cache.device)
+        kv_move(cache, zeros, zeros)

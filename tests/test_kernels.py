@@ -185,6 +185,7 @@ def test_kv_write_equals_reference_and_padding_rows_write_nowhere(num_blocks, bl
     assert torch.equal(want_keys.view(-1, kv_heads, head_dim)[untouched], keys.view(-1, kv_heads, head_dim)[untouched])
 
 
+from treeserve.kernels import kv_move as kv_move_module  # noqa: E402
 from treeserve.kernels.kv_move import kv_move  # noqa: E402
 
 
@@ -211,6 +212,17 @@ def test_kv_move_equals_reference(slabs, slots, row, paths, dtype):
     kv_move(got, sources.to(DEVICE), targets.to(DEVICE))
     assert torch.equal(got.cpu(), want)
     assert not torch.equal(want, cache)  # the case moves something
+
+
+def test_every_move_count_launches_a_size_compiled_at_warm_up():
+    """A round's moves, however many, launch at one of the padded counts `warm_up` compiles (so no compilation
+    happens while serving), and the warm-up leaves the cache as it was."""
+    sizes = set(kv_move_module.PADDED_MOVES)
+    assert all(kv_move_module.padded_moves(moves) in sizes for moves in range(1, kv_move_module.MOVES_PER_LAUNCH + 1))
+    cache = torch.randn(2, 16, 48)
+    warmed = cache.clone().to(DEVICE)
+    kv_move_module.warm_up(warmed)
+    assert torch.equal(warmed.cpu(), cache)
 
 
 # ---------------------------------------------------------------------------- RMSNorm, RoPE and the activation

@@ -144,19 +144,21 @@ class TreeVerifier:
 
     # Prompt batches (tokens per prompt) whose prefills meet every compiled variant of the prefill's other Triton
     # kernels (Triton compiles an integer argument apart when it is 1 or a multiple of 16); the attention's
-    # variants are launched one by one (`warm_up_attention`).
+    # variants are launched one by one (`warm_up_kernels`).
     WARM_UP_PROMPTS = ((1,), (2,), (5,), (16,), (37,), (3, 64), (200, 7))
 
     @torch.inference_mode()
-    def warm_up_attention(self) -> None:
-        """Compile every variant of the tree-attention kernels a prefill can meet (on every tensor-parallel rank)."""
+    def warm_up_kernels(self) -> None:
+        """Compile every variant of the tree-attention kernels a prefill can meet, and of the KV move a round can
+        make (on every tensor-parallel rank)."""
         from treeserve.kernels import tree_attention
 
         if self.mirror is not None:
-            self.mirror.send("warm_up_attention")
+            self.mirror.send("warm_up_kernels")
         cfg = self.model.config
         tree_attention.warm_up(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.pool.block_size,
                                self.pool.data.dtype, self.pool.data.device)
+        self.pool.warm_up_moves()
 
     @torch.inference_mode()
     def warm_up_prefill(self, feature_layer_ids: tuple[int, ...] = ()) -> float:
@@ -165,7 +167,7 @@ class TreeVerifier:
         before afterwards. Returns the seconds it took."""
         started = time.perf_counter()
         if self.kernels:
-            self.warm_up_attention()
+            self.warm_up_kernels()
         for counts in self.WARM_UP_PROMPTS:
             if sum(self.pool.blocks_for(count) for count in counts) > self.pool.allocator.free_count:
                 continue  # a pool this small (--kv-cache-tokens) serves no prompt of this size either

@@ -123,8 +123,8 @@ def follow(model, group) -> int:
             verifier = build_verifier(model, **payload)
         elif step == "capture":
             verifier.capture(payload["feature_layer_ids"])
-        elif step == "warm_up_attention":
-            verifier.warm_up_attention()
+        elif step == "warm_up_kernels":
+            verifier.warm_up_kernels()
         elif step == "time_graphs":
             verifier.time_graphs()
         elif step == "run":

@@ -63,8 +63,7 @@ class PagedKVCache:
             return
         if self.recorded_moves is not None:
             self.recorded_moves.append((source, target))
-        _, _, blocks, block_size, kv_heads, head_dim = self.data.shape
-        slabs = self.data.view(-1, blocks * block_size, kv_heads * head_dim)  # (2 * layers, slots, row)
+        slabs = self.slabs
         if not slabs.is_cuda:
             kv_move_reference(slabs, source, target)
             return
@@ -72,6 +71,19 @@ class PagedKVCache:
         source, target = torch.stack([source, target]).pin_memory().to(slabs.device, non_blocking=True)
         from treeserve.kernels.kv_move import kv_move  # (Triton: imported where a GPU is)
         kv_move(slabs, source, target)
+
+    @property
+    def slabs(self) -> torch.Tensor:
+        """The pool as (2 * layers, slots, row): one slab per keys or values of a layer, a row per slot."""
+        _, _, blocks, block_size, kv_heads, head_dim = self.data.shape
+        return self.data.view(-1, blocks * block_size, kv_heads * head_dim)
+
+    def warm_up_moves(self) -> None:
+        """On a GPU, compile the KV move's kernel for every move count now, not during the first rounds."""
+        if self.data.is_cuda:
+            from treeserve.kernels.kv_move import warm_up
+
+            warm_up(self.slabs)
 
     @contextlib.contextmanager
     def moves_together(self):
