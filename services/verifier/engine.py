@@ -252,6 +252,29 @@ class FeatureBacklog:
             return
         if self.copied is not None:  # the transfer before (normally long done): its chunks may be joined below
             self.copied.synchronize()
+        requests, totals, grouped = self._grouped()
+        if grouped.is_cuda:
+            host = torch.empty(grouped.shape, dtype=grouped.dtype, pin_memory=True)
+            host.copy_(grouped, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        else:
+            host = grouped
+        for features, chunk in zip(requests, host.split(totals)):
+            chunks = features.chunks
+            owned = next((i for i in range(len(chunks), 0, -1) if chunks[i - 1]._base is None), 0)
+            if len(chunks) - owned >= self.JOIN_CHUNKS:  # earlier transfers' views: finished, joined
+                chunks[owned:] = [torch.cat(chunks[owned:])]
+            chunks.append(chunk)
+        self.copies, self.kept = [], []
+        self.piled_rows = self.rounds = self.bytes = 0
+
+    def _grouped(self) -> tuple[list[TargetFeatures], list[int], torch.Tensor]:
+        """The requests in `kept`, their row counts, and their rows one request after another (each request's in
+        round order), on the device."""
+        if len(self.kept) == 1 and is_run(self.kept[0][1]):  # one request's rows of one round, as a lone request's
+            features, index = self.kept[0]
+            return [features], [len(index)], self.copies[0][index.start:index.stop]
         ordinal: dict[int, int] = {}  # id(features) -> their place among this transfer's requests
         requests, owners, indexes = [], [], []
         for features, index in self.kept:
@@ -274,22 +297,8 @@ class FeatureBacklog:
             grouped = piled[order[0]:order[-1] + 1]  # already in order (one request, or each once): no gather
         else:
             grouped = select_rows(piled, order)
-        if grouped.is_cuda:
-            host = torch.empty(grouped.shape, dtype=grouped.dtype, pin_memory=True)
-            host.copy_(grouped, non_blocking=True)
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-        else:
-            host = grouped
         totals = np.bincount(owners, weights=counts, minlength=len(requests)).astype(np.int64).tolist()
-        for features, chunk in zip(requests, host.split(totals)):
-            chunks = features.chunks
-            owned = next((i for i in range(len(chunks), 0, -1) if chunks[i - 1]._base is None), 0)
-            if len(chunks) - owned >= self.JOIN_CHUNKS:  # earlier transfers' views: finished, joined
-                chunks[owned:] = [torch.cat(chunks[owned:])]
-            chunks.append(chunk)
-        self.copies, self.kept = [], []
-        self.piled_rows = self.rounds = self.bytes = 0
+        return requests, totals, grouped
 
 
 def commit_round(generations: list["Generation"], plans: list[ForwardPlan], logits: list[Rows],
