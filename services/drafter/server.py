@@ -85,16 +85,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.frame_writers.add(writer)
         try:
             if self.drafter is None:
-                raise framing.FrameError("the drafter is still loading")
+                raise TreeserveError("the drafter is still loading")
             with self.stream() as answer:
                 while (request := await framing.read_message(reader, drafter_pb2.DraftRequest)) is not None:
                     try:
                         response = answer(request)
                     except TreeserveError as error:
-                        raise framing.FrameError(f"round {request.round}: {error}") from None
+                        raise TreeserveError(f"round {request.round}: {error}") from None
                     framing.write_frame(writer, response.SerializeToString())
                     await writer.drain()
-        except framing.FrameError as error:
+        except TreeserveError as error:  # a bad frame (framing.FrameError) or a bad round
             framing.write_frame(writer, str(error).encode(), framing.REFUSAL)
         except ConnectionError:  # the verifier went away (or refused: it sends no such frame)
             pass

@@ -214,7 +214,7 @@ class DrafterLink:
             self._down(f"dropping finished requests failed: {describe(error)}")
 
     async def _reply_to(self, message: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:
-        async with asyncio.timeout(self.timeout_s):  # (wait_for would start a task a read)
+        async with asyncio.timeout(self.timeout_s):  # (wait_for would start a task for every read)
             reply = await self.call.read()
         if reply is grpc.aio.EOF or reply.round != message.round:
             raise ConnectionError("the stream ended or answered out of turn")
