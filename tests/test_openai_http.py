@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -278,6 +279,9 @@ def test_a_client_that_leaves_cancels_the_verifier_stream(tmp_path, tok, steps, 
 
 def test_models_health_and_counted_requests(tmp_path, tok, steps):
     def call(h):
+        deadline = time.monotonic() + 10  # the gateway follows its verifier's health: until it has seen it serve
+        while not h.servicer.serving and time.monotonic() < deadline:
+            time.sleep(0.01)
         return (get(f"{h.http_url}/v1/models"), get(f"{h.http_url}/health"),
                 post(f"{h.http_url}/v1/chat/completions", chat(n=3)), get(f"{h.http_url}/nowhere"), h)
 
