@@ -91,6 +91,8 @@ def test_the_draft_socket_serves_the_stream_as_grpc_does(tmp_path):
             assert await draft_round(stream, 2, item("a", [3], budget=16)) == {"a": expected(context + [3], 16)}
         assert await draft_round(framed, 3, item("a", finished=True), item("b", [4, 4, 4], budget=2)) == {
             "b": expected([4, 4, 4], 2)}
+        # "a" finished on the framed stream only: the gRPC stream's "a" goes on from its own context.
+        assert await draft_round(streamed, 3, item("a", budget=4)) == {"a": expected(context + [3], 4)}
         framed.cancel()
         await streamed.done_writing()
     with_drafter(tmp_path, test)
