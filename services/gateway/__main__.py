@@ -31,17 +31,17 @@ async def serve(args, tokenizer) -> None:
                                metrics)
     service, ready = await start_gateway(args.listen, servicer)
     log.info("gateway listening on %s; verifiers: %s", service.address, ", ".join(args.verifier))
-    http = None
     if http_socket is not None:
         http = openai_api.HttpListener(servicer, http_socket, args.http_timeout_s, args.grace_s)
         await http.start()
+        service.listeners.append(lambda grace_s: http.stop())  # (its grace period is its own, the same)
 
     async def stop():
         ready.cancel()
         await servicer.close()
         tracing.shutdown()
 
-    await run_until_signalled(service, args.grace_s, stop, drain=http.stop if http is not None else None)
+    await run_until_signalled(service, args.grace_s, stop)
 
 
 def main(argv=None) -> int:

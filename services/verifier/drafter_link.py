@@ -18,7 +18,7 @@ import grpc
 
 from treeserve.errors import TreeserveError
 from treeserve.framing import FramedCall
-from treeserve.serving import client_options, normalize_address
+from treeserve.serving import client_options, normalize_address, unix_socket_path
 from treeserve.tree import DraftTree
 from treeserve.v1 import drafter_pb2, drafter_pb2_grpc
 from treeserve.wire import features_to_proto
@@ -160,7 +160,7 @@ class DrafterLink:
     async def _open_stream(self, draft_socket: str):
         """The Draft stream: as frames on the drafter's own Unix socket for it when it has one and this link
         reaches it over a Unix socket too (so on its host), else over gRPC."""
-        if draft_socket and self.address.startswith("unix://"):
+        if draft_socket and unix_socket_path(self.address) is not None:
             try:
                 return await FramedCall.open(draft_socket, drafter_pb2.DraftResponse)
             except OSError as error:
