@@ -220,3 +220,59 @@ def test_snippets_stay_short():
     lines = [f"line {i} " + "x" * 300 for i in range(30)]
     assert len(corpus.cut(lines, 1, 30)) <= corpus.MAX_SNIPPET_CHARS and corpus.cut(lines, 1, 30).endswith("x")
     assert corpus.cut(["y" * 10_000] + lines, 1, 30) == ""  # one minified line: nothing to cut at
+
+
+WORDNET = {  # a few synsets in WordNet's database layout (wndb(5)): offset, lexicographer file, words, pointers
+    "data.noun": ["  1 license text lines start with two spaces",
+                  "00000001 05 n 01 dog 0 001 @ 00000003 n 0000 | a domesticated canine",
+                  "00000002 05 n 01 wolf 0 001 @ 00000003 n 0000 | a wild canine that hunts in packs",
+                  "00000003 05 n 01 canine 0 003 ~ 00000001 n 0000 ~ 00000002 n 0000 ~ 00000004 n 0000 | a mammal",
+                  "00000004 05 n 01 fox 0 001 @ 00000003 n 0000 | a small wild canine with a bushy tail",
+                  "00000005 13 n 01 pasta 0 000 | dough made of flour and water",
+                  "00000006 06 n 01 dog 0 000 | a hinged catch that fits into a notch",
+                  "00000007 15 n 01 Paris 0 001 @i 00000008 n 0000 | the capital of France",
+                  "00000008 15 n 01 city 0 000 | a large town",
+                  "00000009 26 n 01 obscurity 0 000 | a state of being unknown"],
+    "index.noun": ["  1 license", "canine n 1 1 ~ 1 1 00000003", "city n 1 0 1 1 00000008",
+                   "dog n 2 1 @ 2 3 00000001 00000006", "fox n 1 1 @ 1 1 00000004", "obscurity n 1 0 1 0 00000009",
+                   "paris n 1 1 @ 1 1 00000007", "pasta n 1 0 1 1 00000005", "wolf n 1 1 @ 1 1 00000002"],
+    "data.verb": ["00000010 32 v 01 bark 0 000 01 + 02 00 | make barking sounds; \"the dogs barked\""],
+    "index.verb": ["bark v 1 0 1 1 00000010"],
+    "data.adj": ["00000011 00 a 01 quick 0 001 ! 00000012 a 0101 | moving fast",
+                 "00000012 00 a 01 slow 0 001 ! 00000011 a 0101 | not moving fast"],
+    "index.adj": ["quick a 1 1 ! 1 1 00000011", "slow a 1 1 ! 1 1 00000012"],
+}
+
+
+def wordnet_source(tmp_path: Path) -> S.Source:
+    folder = tmp_path / "wordnet"
+    folder.mkdir()
+    for name, lines in WORDNET.items():
+        (folder / name).write_text("\n".join(lines) + "\n")
+    return S.Source("wordnet-chat", S.TRAIN, S.Folder(folder, include=("data.*", "index.*")), "WordNet-3.0",
+                    topics=True)
+
+
+def test_chat_topics_ask_about_common_words_only(tmp_path):
+    """Only a word's first sense, only words WordNet's corpus saw, never a word of the held-out chat prompts
+    ("pasta"); comparisons take a sibling under the same hypernym, lists a hypernym's hyponyms."""
+    source = wordnet_source(tmp_path)
+    build = S.build_set([source], 1000, seed=0, log=io.StringIO())
+    by_synset: dict[str, list[dict]] = {}
+    for record in build.prompts:
+        by_synset.setdefault(record["source"].split(":")[1], []).append(record)
+        assert record["chat"] is True and record["licence"] == "WordNet-3.0"
+        assert record["source"].startswith("wordnet-chat/")
+    assert set(by_synset) == {"00000001", "00000002", "00000003", "00000004", "00000007", "00000008", "00000010",
+                              "00000011", "00000012"}
+    assert not any("pasta" in r["prompt"] or "catch" in r["prompt"] for r in build.prompts)
+    compare = [r["prompt"] for r in by_synset["00000001"] if r["kind"] == "compare"]
+    assert len(compare) == 1 and ("wolf" in compare[0] or "fox" in compare[0])
+    assert any(r["kind"] == "list" and "canine" in r["prompt"] for r in by_synset["00000003"])
+    assert all("Paris" in r["prompt"] for r in by_synset["00000007"])
+    assert any(r["kind"] == "compare" and "slow" in r["prompt"] for r in by_synset["00000011"])
+    assert all("bark" in r["prompt"] for r in by_synset["00000010"])
+    assert build.sources["wordnet-chat"]["files"] == 6
+    again = S.build_set([source], 1000, seed=0, log=io.StringIO())
+    assert again.prompts == build.prompts
+    assert S.build_set([source], 1000, seed=1, log=io.StringIO()).prompts != build.prompts

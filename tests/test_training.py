@@ -307,3 +307,18 @@ def test_train_drafter_command_end_to_end(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "resuming from trainer-state.pt at step 4" in err and "regenerate:" not in err
     assert json.loads((out / "training.json").read_text())["start_step"] == 4
+    # Another run goes on from the saved drafter: it starts from those weights, and only from a drafter of the
+    # shape its flags ask for.
+    go_on = ["train-drafter", "--target", str(folder), "--data", str(data), "--held-out", "2",
+             "--max-new-tokens", "24", "--block-size", "4", "--target-layer-ids", "0,1", "--batch-size", "4",
+             "--anchors", "4", "--steps", "1", "--lr", "1e-12", "--eval-every", "1", "--device", "cpu",
+             "--responses", str(out / "data.jsonl"), "--init-from", str(out)]
+    assert main([*go_on, "--out", str(tmp_path / "more")]) == 0
+    start, more = load_dflash(out), load_dflash(tmp_path / "more")
+    for (name, a), b in zip(start.state_dict().items(), more.state_dict().values()):
+        assert torch.equal(a, b), name  # a step at lr 1e-12 leaves each bfloat16 weight where it was
+    assert json.loads((tmp_path / "more" / "training.json").read_text())["arguments"]["init_from"] == str(out)
+    capsys.readouterr()
+    assert main([*go_on, "--out", str(tmp_path / "other"), "--block-size", "5"]) == 1
+    err = capsys.readouterr().err
+    assert "is another drafter than the flags ask for: block_size 4 (flags: 5)" in err and err.count("\n") == 1

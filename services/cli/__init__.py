@@ -173,8 +173,12 @@ def add_drafter_training_commands(commands) -> None:
     train.add_argument("--intermediate-size", type=int, help="draft MLP width (default: the target's)")
     train.add_argument("--target-layers", type=int, default=3, help="target layers feeding the context (default 3)")
     train.add_argument("--target-layer-ids", help="explicit 0-based target layer ids, comma-separated")
-    train.add_argument("--init-from-target", action="store_true",
+    start = train.add_mutually_exclusive_group()
+    start.add_argument("--init-from-target", action="store_true",
                        help="start the draft layers from the target's last layers where shapes match")
+    start.add_argument("--init-from", type=Path, metavar="DRAFTER",
+                       help="start from this drafter checkpoint (its layers, block size and target layers must be "
+                            "the ones the flags ask for), to go on training it on new data")
     train.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
     train.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
     train.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step (default 16)")

@@ -29,9 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from treeserve.drafter.training.chat_topics import topic_prompts, words_of
 from treeserve.drafter.training.corpus import CODE_LANGUAGES, PROSE_STYLES, Document, distinctive_lines, document_prompts
 from treeserve.errors import TreeserveError
-from treeserve.prompt_sets import write_prompts
+from treeserve.prompt_sets import WORKLOADS, read_prompts, write_prompts
 
 TRAIN, HELD_OUT_CODE, HELD_OUT_PROSE = "train", "held-out-code", "held-out-prose"
 HELD_OUT_EARLIER = "held-out-earlier"  # the sources of treeserve/prompts/held-out-code.jsonl: never trained on
@@ -220,6 +221,7 @@ class Source:
     man: bool = False            # manual pages, rendered to plain text with groff
     limit: int | None = None     # prompts kept at most: a big package would crowd out the rest
     style: str | None = None     # prose whatever the suffix, with headings written this way (corpus.Document)
+    topics: bool = False         # WordNet's database: open chat prompts about its words (chat_topics)
 
 
 def pkg(name: str, licence: str, pip: str | None = None, limit: int | None = None, split: str = TRAIN,
@@ -334,6 +336,10 @@ SOURCES = (
     man("dpkg", "GPL-2.0-or-later"),
     man("bash", "GPL-3.0-or-later"),
     man("openssh-client", "BSD-2-Clause and other BSD-style licences"),
+    # Open chat: questions and writing tasks about everyday words.
+    Source("wordnet-chat", TRAIN, DebianPackage("wordnet-base", ("/usr/share/wordnet/data.*",
+                                                                 "/usr/share/wordnet/index.*")),
+           "WordNet-3.0", topics=True),
     # Held out for code: whole packages, in five languages.
     pkg("requests", "Apache-2.0", split=HELD_OUT_CODE),
     pkg("click", "BSD-3-Clause", split=HELD_OUT_CODE),
@@ -361,7 +367,7 @@ SOURCES = (
 )
 
 # The sets one command builds: which split, how many prompts at most, and the held-out file names.
-PRESETS = {"training": (TRAIN, 150_000), HELD_OUT_CODE: (HELD_OUT_CODE, 256), HELD_OUT_PROSE: (HELD_OUT_PROSE, 256)}
+PRESETS = {"training": (TRAIN, 200_000), HELD_OUT_CODE: (HELD_OUT_CODE, 256), HELD_OUT_PROSE: (HELD_OUT_PROSE, 256)}
 HELD_OUT_FILES = {HELD_OUT_CODE: "held-out-code-wide.jsonl", HELD_OUT_PROSE: "held-out-prose.jsonl"}
 
 
@@ -444,31 +450,41 @@ def mostly_held_out(snippet: str, held: set[str]) -> bool:
     return bool(lines) and 2 * sum(line in held for line in lines) >= len(lines)
 
 
+def source_snippets(source: Source, seed: int, per_file: int) -> tuple[str, int, list[tuple[dict, str]]]:
+    """Where the source is, how many files it read, and its (record, snippet) pairs. A topics source's snippet is
+    its prompt, and its topics leave out the words of the held-out chat prompts."""
+    if source.topics:
+        where, files = source.where.files()
+        avoid = words_of(record["prompt"] for record in read_prompts(WORKLOADS["chat"]))
+        return where, len(files), topic_prompts(files[0][0].parent, seed, avoid)
+    where, documents = source_documents(source)
+    return where, len(documents), [pair for doc in documents for pair in document_prompts(doc, seed, per_file)]
+
+
 def take_source(source: Source, seed: int, per_file: int, seen: set, held: set[str], build: Build, log) -> list[dict]:
     """The source's prompts (licence added): new snippets only, none mostly from held-out text, at most its limit."""
     started = time.monotonic()
     try:
-        where, documents = source_documents(source)
+        where, files, snippets = source_snippets(source, seed, per_file)
     except Missing as why:
         build.skipped[source.name] = str(why)
         print(f"make-prompts: skipped {source.name}: {why}", file=log)
         return []
     kept, repeated, held_back = [], 0, 0
-    for doc in documents:
-        for record, snippet in document_prompts(doc, seed, per_file):
-            key = hashlib.blake2b(snippet.strip().encode(), digest_size=16).digest()
-            if key in seen:
-                repeated += 1
-            elif held and mostly_held_out(snippet, held):
-                held_back += 1
-            else:
-                seen.add(key)
-                kept.append({**record, "licence": source.licence})
+    for record, snippet in snippets:
+        key = hashlib.blake2b(snippet.strip().encode(), digest_size=16).digest()
+        if key in seen:
+            repeated += 1
+        elif held and mostly_held_out(snippet, held):
+            held_back += 1
+        else:
+            seen.add(key)
+            kept.append({**record, "licence": source.licence})
     if source.limit is not None and len(kept) > source.limit:
         kept = random.Random(f"{seed}:{source.name}").sample(kept, source.limit)
-    build.sources[source.name] = {"prompts": len(kept), "files": len(documents), "licence": source.licence,
+    build.sources[source.name] = {"prompts": len(kept), "files": files, "licence": source.licence,
                                   "where": where, "repeated_snippets": repeated, "mostly_held_out": held_back}
-    print(f"make-prompts: {source.name}: {len(documents)} files, {len(kept)} prompts"
+    print(f"make-prompts: {source.name}: {files} files, {len(kept)} prompts"
           f"{f', {repeated} repeated snippets dropped' if repeated else ''}"
           f"{f', {held_back} mostly held-out dropped' if held_back else ''} ({time.monotonic() - started:.1f} s)",
           file=log)

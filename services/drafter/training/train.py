@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import torch.nn.functional as F
 
 from treeserve.prompt_sets import encode_prompts, read_prompts
-from treeserve.drafter.dflash import DFlashConfig, DFlashModel, default_target_layer_ids, save_dflash
+from treeserve.drafter.dflash import DFlashConfig, DFlashModel, default_target_layer_ids, load_dflash, save_dflash
 from treeserve.errors import TreeserveError
 from treeserve.models import DecoderLM, ModelConfig
 from treeserve.models.transformer import rope_cos_sin
@@ -721,6 +721,18 @@ def prepare_data(args, target, block_size: int, records: list[dict], held_record
     return data, [s for s in held_out if usable(s, block_size)]
 
 
+def starting_drafter(args, cfg: DFlashConfig, target: DecoderLM) -> DFlashModel:
+    """The drafter to train: --init-from's weights (float32), or a new one."""
+    if args.init_from is None:
+        return new_drafter(cfg, args.seed, target if args.init_from_target else None).to(target.device)
+    model = load_dflash(args.init_from, target.device, torch.float32, target.config.num_layers)
+    have, want = model.config.to_json(), cfg.to_json()
+    if have != want:
+        differ = ", ".join(f"{k} {have.get(k)} (flags: {want.get(k)})" for k in want if have.get(k) != want.get(k))
+        raise TreeserveError(f"--init-from {args.init_from} is another drafter than the flags ask for: {differ}")
+    return model.train().requires_grad_(True)
+
+
 def run(args) -> int:
     """`treeserve train-drafter`: regenerate (or reuse) the data, build or resume the drafter, train, save."""
     settings = settings_from_args(args)
@@ -738,7 +750,7 @@ def run(args) -> int:
     if args.regenerate_only:
         log_stderr(f"train: {len(data)} training and {len(held_out)} held-out responses ready; not training")
         return 0
-    model = new_drafter(cfg, args.seed, target.model if args.init_from_target else None).to(target.model.device)
+    model = starting_drafter(args, cfg, target.model)
     log_stderr(f"train: drafter {cfg.layers.num_layers} layer(s), block {cfg.block_size}, target layers "
                f"{list(cfg.target_layer_ids)}, mask id {mask_id}, {len(data)} training / {len(held_out)} held-out "
                f"sequences, device {device}")
