@@ -317,7 +317,9 @@ def test_train_drafter_command_end_to_end(tmp_path, capsys):
     start, more = load_dflash(out), load_dflash(tmp_path / "more")
     for (name, a), b in zip(start.state_dict().items(), more.state_dict().values()):
         assert torch.equal(a, b), name  # a step at lr 1e-12 leaves each bfloat16 weight where it was
-    assert json.loads((tmp_path / "more" / "training.json").read_text())["arguments"]["init_from"] == str(out)
+    more_record = json.loads((tmp_path / "more" / "training.json").read_text())
+    assert more_record["arguments"]["init_from"] == str(out)
+    assert more_record["started_from"] == json.loads((out / "training.json").read_text())  # the whole lineage
     capsys.readouterr()
     assert main([*go_on, "--out", str(tmp_path / "other"), "--block-size", "5"]) == 1
     err = capsys.readouterr().err
