@@ -251,6 +251,36 @@ def test_a_lone_request_is_never_given_up():
     assert not adaptive.admits_drafting(2)
 
 
+def test_a_lone_request_drafts_its_first_tree_whatever_the_requests_before_it_did():
+    """At one request, a request that has drafted no tree yet tries one even where the requests before it say trees
+    do not pay: one that accepts well goes on drafting on its merits, one that misses decodes plainly. With two
+    requests running, a new one gets no such try (it would cost the other request's time)."""
+    adaptive = AdaptiveSpeculation()
+    costs(adaptive, 1, {1: 1.5, **{step + 1: 3.0 for step in BUDGET_STEPS}}, draft_ms=2.0)
+    accept(adaptive, ["before"], 32, 1, rounds=30)  # the requests before missed every time
+    adaptive.forget("before")
+    assert budget(adaptive, {"before-too": 32}, batch=1) > 0  # a new id: its own try
+
+    def rounds_of(request_id: str, tokens: int, count: int = 8) -> list[int]:
+        played = []
+        for _ in range(count):
+            choice = adaptive.choose({request_id: 32}, batch=1)
+            nodes = min(choice.budget, 32)
+            adaptive.observe(report(choice, 1, {request_id: (nodes, tokens if nodes else 1)}, verify_ms=3.0))
+            played.append(choice.budget)
+        adaptive.forget(request_id)
+        return played
+
+    copies = rounds_of("copies", tokens=12)
+    assert copies[0] > 0 and all(copies[1:]), copies  # tried, then drafted on its merits
+    accept(adaptive, ["before"], 32, 1, rounds=60)  # misses again since
+    adaptive.forget("before")
+    misses = rounds_of("misses", tokens=1)
+    assert misses[0] > 0 and not any(misses[1:]), misses  # tried once, then plain
+    accept(adaptive, ["running"], 32, 1, rounds=30)
+    assert budget(adaptive, {"running": 32, "new": 32}, batch=2) == 0
+
+
 def test_a_stretch_of_misses_does_not_stop_trees_that_pay_on_average():
     # An n-gram drafter on code, one request: a plain round 1.9 ms, 17 nodes 2.3 ms, the drafter's round trip
     # 0.9 ms. Break-even is 1.68 tokens a round at budget 16.

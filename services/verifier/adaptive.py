@@ -18,8 +18,10 @@ acceptance model by what speculative rounds at that batch bucket really drafted 
 
 Plain decoding stays a candidate in every round, so where verification turns compute-bound (large batches),
 speculation switches itself off rather than costing throughput. Since acceptance is learnt only from trees, a tree
-is tried again now and then (`Exploration`). Where drafting has not paid for a while even were every request
-drafting, new requests decode plainly and running ones stop drafting, but for a few that keep it tried (`GiveUp`).
+is tried again now and then (`Exploration`), and a lone request drafts its first tree whatever the requests before
+it accepted: how well trees do varies from request to request more than within one. Where drafting has not paid
+for a while even were every request drafting, new requests decode plainly and running ones stop drafting, but for
+a few that keep it tried (`GiveUp`).
 """
 
 from __future__ import annotations
@@ -349,7 +351,7 @@ class GiveUp:
         bucket = batch_bucket(batch)
         before = self.unpaid_s.get(bucket, 0.0)
         self.unpaid_s[bucket] = 0.0 if seconds is None else before + seconds
-        if before < self.after_s <= self.unpaid_s[bucket]:
+        if bucket > 1 and before < self.after_s <= self.unpaid_s[bucket]:  # a lone request is never given up
             log.info("adaptive: drafting has not paid at batches of up to %d requests for %.1f s of rounds; new "
                      "requests there decode plainly, but for one in %d", bucket, self.unpaid_s[bucket],
                      self.CANARY_EVERY)
@@ -398,6 +400,7 @@ class AdaptiveSpeculation:
         self.acceptance = AcceptanceModel(prior_slope, decay)
         self.exploration = Exploration(explore_every)
         self.give_up = GiveUp(give_up_after_s)
+        self.tried: set[str] = set()  # requests that were given a tree budget (a tree may have come back empty)
         self.plain_signature: tuple | None = None  # (batch, speculating requests, largest budget) of a plain choice
         self.plain_round_s = 0.0  # the estimated plain round of that choice
         self.reused = 0
@@ -439,21 +442,28 @@ class AdaptiveSpeculation:
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
+        self.tried.discard(request_id)
 
     # --------------------------------------------------------------------------------------------- the choice
 
     def choose(self, asked: dict[str, int], batch: int) -> Choice:
         """The round budget for the speculating requests (`asked`: request id -> its own budget, not empty) in a
         batch of `batch` requests (the rest decode plainly: one token each)."""
-        choice = self._choose(asked, batch)
+        # A lone request's first tree is its own try: at one request a try costs no one else's time, and the
+        # requests before it say little of how its trees will do (one copies its prompt, the next writes anew).
+        first_try = batch == 1 and any(request_id not in self.tried and request_id not in self.acceptance.slopes
+                                       for request_id in asked)
+        choice = self._choose(asked, batch, first_try)
         if choice.budget == 0:  # a plain round: what the requests' trees did ages
             self.acceptance.age(asked, self.PLAIN_AGING)
+        else:
+            self.tried.update(asked)
         return choice
 
-    def _choose(self, asked: dict[str, int], batch: int) -> Choice:
+    def _choose(self, asked: dict[str, int], batch: int, first_try: bool = False) -> Choice:
         most = min(self.max_budget, max(asked.values()))
         signature = (batch, len(asked), most)
-        if (signature == self.plain_signature and self.reused < self.REUSE_PLAIN
+        if (signature == self.plain_signature and self.reused < self.REUSE_PLAIN and not first_try
                 and not self.exploration.due(1, self.plain_round_s)):
             self.reused += 1  # (never in place of a try)
             self.exploration.plain(self.plain_round_s)
@@ -488,20 +498,23 @@ class AdaptiveSpeculation:
             log.debug("adaptive: batch %d, mean slope %.2f, realized over expected drafts %.2f, expected tokens/s "
                       "by budget %s", batch, statistics.fmean(slope for slope, _ in slopes), factor,
                       {step: round(rate, 1) for step, rate in rates.items()})
-        best = self._explore(best, rates, seconds, batch)
+        best = self._explore(best, rates, seconds, batch, first_try)
         if best == 0:
             self.plain_signature, self.plain_round_s = signature, seconds[0]
         expected = (batch + factor * drafted[best], seconds[best])
         return Choice(best, expected, drafted[best] if best > 0 else None)
 
-    def _explore(self, best: int, rates: dict[int, float], seconds: dict[int, float], batch: int) -> int:
-        """The budget to play: `best`, or after enough plain rounds the best tree, tried (its drafter round trip
-        catches every request up)."""
+    def _explore(self, best: int, rates: dict[int, float], seconds: dict[int, float], batch: int,
+                 first_try: bool = False) -> int:
+        """The budget to play: `best`, or the best tree, tried: as a request's `first_try`, or after enough plain
+        rounds (its drafter round trip catches every request up)."""
         if best > 0:
             self.exploration.paid()
             return best
-        self.exploration.plain(seconds[0])
         tries = [step for step in rates if step > 0]
+        if first_try and tries:  # not an exploration: it neither waits for one nor backs them off
+            return max(tries, key=lambda step: rates[step])
+        self.exploration.plain(seconds[0])
         if not tries:
             return best
         trial = max(tries, key=lambda step: rates[step])
