@@ -431,6 +431,32 @@ def test_the_drafter_context_holds_the_target_features_of_every_committed_token_
     assert drafter.pool.allocator.free_count == drafter.pool.allocator.num_blocks  # every block came back
 
 
+def test_a_round_stages_up_to_two_blocks_of_context_rows_and_writes_more_eagerly(monkeypatch):
+    """A round's new context rows (a merged tree's long accepted path) go through the block forward's staged inputs
+    up to STAGED_BLOCKS blocks a request, and are written eagerly first beyond that (a prompt): either way the
+    context holds what a fresh write of those rows holds."""
+    from treeserve.drafter.dflash import STAGED_BLOCKS
+
+    target = random_target("qwen3", seed=4, vocab_size=VOCAB, weight_scale=2.0)
+    drafter = random_dflash_drafter(target, "ddtree")
+    block, layer_ids = drafter.model.config.block_size, drafter.feature_layer_ids
+    eager, write = [], drafter.write_context
+    monkeypatch.setattr(drafter, "write_context", lambda contexts=None: (eager.append(len(contexts)), write(contexts)))
+    ids = [(7 * i) % (VOCAB - 2) + 1 for i in range(STAGED_BLOCKS * block + 3)]
+    for rows in (block + 2, STAGED_BLOCKS * block, STAGED_BLOCKS * block + 1):
+        context, eager[:] = drafter.new_context(), []
+        drafter.extend(context, ids[:rows + 1], target_features(target, ids[:rows], layer_ids))
+        drafter.propose([context], [4])
+        assert eager == [1 if rows > STAGED_BLOCKS * block else 0], rows
+        fresh = drafter.pool.sequence()
+        drafter.model.extend_context(fresh, target_features(target, ids[:rows], layer_ids))
+        flat = drafter.pool.data.flatten(2, 3)
+        torch.testing.assert_close(flat[:, :, context.sequence.slots(0, rows)], flat[:, :, fresh.slots(0, rows)],
+                                   atol=1e-5, rtol=1e-5)
+        fresh.release()
+        drafter.release(context)
+
+
 def test_oracle_block_distributions_give_long_accepted_paths_and_the_same_tokens(monkeypatch):
     """With block distributions peaked on the target's own continuation, trees hold the accepted path:
     rounds shrink, output stays the target's."""

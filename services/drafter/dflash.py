@@ -49,6 +49,10 @@ from treeserve.tree import MAX_BUDGET, DraftPoolFull, DraftTree
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 POOL_BLOCK = 16  # tokens per block of the drafter's context pool
 NARROWEST_TREE_WIDTH = 16  # below it a search costs about the same: its kernels are launch-bound
+# Context rows a request's round may bring to the block graph, in blocks: a merged tree's accepted path (a
+# prompt-lookup chain of up to half the budget, then DFlash's) often runs past one block, and more than this
+# leaves the graph for an eager write.
+STAGED_BLOCKS = 2
 
 log = logging.getLogger("treeserve.drafter")
 
@@ -349,9 +353,10 @@ class DFlashDrafter:
         self.block_mask = np.ones((cfg.block_size, cfg.block_size), dtype=np.int8)  # a block sees all of itself
         self.runner = PagedRunner(self.pool, self._block_forward, max_batch, [cfg.block_size],
                                   max_context or cfg.layers.max_context, graphs)
-        # The block forward first writes the round's new context rows, up to block_size per request, so that a
-        # round's context write is part of its graph replay.
-        self.inputs = RoundInputs(max_batch, max_batch * cfg.block_size, cfg.feature_size, model.dtype, device)
+        # The block forward first writes the round's new context rows, up to STAGED_BLOCKS blocks per request, so
+        # that a round's context write is part of its graph replay.
+        self.staged_rows = STAGED_BLOCKS * cfg.block_size
+        self.inputs = RoundInputs(max_batch, max_batch * self.staged_rows, cfg.feature_size, model.dtype, device)
         self.unwritten: dict[int, DFlashRequest] = {}  # id -> a context with rows not written yet
         self.search_graphs: dict[tuple[int, int], CapturedGraph] = {}  # (batch bucket, tree width) -> its graph
         self.search_plans = []  # the index tables the search graphs read
@@ -438,16 +443,15 @@ class DFlashDrafter:
 
     def _stage_round(self, contexts: list[DFlashRequest], budgets: list[int]) -> None:
         """The round's budgets and every context's unwritten rows, in the graphs' inputs; a context with more than
-        block_size of them (a prompt) is written eagerly first, so that the rest fit any bucket that holds the
+        staged_rows of them (a prompt) is written eagerly first, so that the rest fit any bucket that holds the
         batch."""
-        block = self.model.config.block_size
-        self.write_context([context for context in contexts if context.unwritten_rows > block])
+        self.write_context([context for context in contexts if context.unwritten_rows > self.staged_rows])
         self.inputs.stage(budgets, [part for context in contexts for part in self._take_unwritten(context)])
 
     def _block_forward(self, rows: TreeRows) -> tuple[torch.Tensor]:
         """Log-probabilities (rows, vocab) of every block row, after writing the round's context rows: the
         forward the block graphs capture."""
-        staged = slice(0, rows.paged.batch * self.model.config.block_size)
+        staged = slice(0, rows.paged.batch * self.staged_rows)
         inputs = self.inputs
         self.model.write_context(self.pool, inputs.slots[staged], inputs.positions[staged],
                                  inputs.features[staged], self.kernels)
