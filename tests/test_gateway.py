@@ -126,15 +126,18 @@ def test_bad_requests_are_invalid_argument(tmp_path, tok, steps):
         async with running(tmp_path, tok, [fake]) as h:
             bad = [request(prompt=""), request(temperature=-1.0), request(top_p=1.5),
                    request(prompt="word " * MAX_CONTEXT), request(max_new_tokens=MAX_CONTEXT),
-                   request(speculation=generation_pb2.SpeculationParams(budget=33))]
+                   request(speculation=generation_pb2.SpeculationParams(budget=33)),
+                   request(temperature=float("inf")), request(temperature=float("nan")), request(top_p=float("nan"))]
             results = [await status_of(h.stub.Generate(r)) for r in bad]
         return fake, results
 
     fake, results = asyncio.run(main())
-    assert [code for code, _ in results] == [grpc.StatusCode.INVALID_ARGUMENT] * 6
+    assert [code for code, _ in results] == [grpc.StatusCode.INVALID_ARGUMENT] * 9
     messages = [message for _, message in results]
     assert "prompt is empty" in messages[0] and "temperature" in messages[1] and "top_p" in messages[2]
     assert "context of 64" in messages[3] and "context of 64" in messages[4] and "budget" in messages[5]
+    assert "temperature must be a finite number" in messages[6] and "got inf" in messages[6]
+    assert "got nan" in messages[7] and "top_p" in messages[8]
     assert fake.requests == []
 
 

@@ -108,7 +108,7 @@ def test_cli_drafters_equal_none_as_a_user_runs_it():
     (["--target", "/no/such/model"], "not found"),
     (["--budget", "0"], "--budget must be between 1 and 128"),
     (["--budget", "129"], "--budget must be between 1 and 128"),
-    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
     (["--top-p", "0"], "top_p"),
     (["--max-new-tokens", "0"], "max_new_tokens"),
     (["--temperature", "warm"], "invalid float value"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from treeserve.errors import TreeserveError
 
@@ -25,8 +26,8 @@ class GenerationParams:
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise TreeserveError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise TreeserveError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise TreeserveError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise TreeserveError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import os
 import time
 import uuid
 from typing import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -140,8 +141,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.inflight = 0
         self.picks = itertools.count(1)
         self.watchers: list[asyncio.Task] = []
-        # Few threads: large prompts from one client queue here rather than take every core.
-        self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+        # Few threads: large prompts from one client queue here rather than take every core, and the event loop
+        # keeps a core of its own for the streams.
+        threads = max(1, min(2, (os.cpu_count() or 1) - 1))
+        self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
         self.bytes_per_token = tokenizer.longest_token_bytes
 
     @property
