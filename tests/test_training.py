@@ -266,6 +266,8 @@ def test_make_prompts_is_deterministic_valid_jsonl(source_tree, tmp_path, capsys
     (["train-drafter", "--out", "out", "--data", "missing.jsonl"], "prompts file missing.jsonl not found"),
     (["train-drafter", "--out", "out", "--data", "data.jsonl", "--steps", "0"], "--steps must be at least 1"),
     (["train-drafter", "--out", "out", "--data", "data.jsonl", "--block-size", "1"], "--block-size must be at least 2"),
+    (["train-drafter", "--out", "out", "--data", "data.jsonl", "--temperature", "inf"],
+     "temperature must be a finite number >= 0 (0 is greedy), got inf"),
     (["train-drafter", "--out", "out", "--data", "bad.jsonl"], "bad.jsonl:2: not JSON"),
     (["train-drafter", "--out", "out", "--data", "data.jsonl", "--target-layer-ids", "1,x"], "comma-separated"),
     (["make-prompts", "--from", "nowhere", "--out", "out.jsonl"], "--from nowhere: not a folder"),

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from treeserve.prompt_sets import encode_prompts, read_prompts
 from treeserve.drafter.dflash import DFlashConfig, DFlashModel, default_target_layer_ids, load_dflash, save_dflash
 from treeserve.errors import TreeserveError
+from treeserve.params import GenerationParams
 from treeserve.models import DecoderLM, ModelConfig
 from treeserve.models.transformer import rope_cos_sin
 from treeserve.tokenizer import Tokenizer
@@ -314,8 +315,6 @@ class LockstepDecoder:
 
     def __init__(self, model: DecoderLM, prompts: Sequence[list[int]], max_new_tokens: int, stop_ids: set[int],
                  temperature: float = 0.0, seed: int = 0, graphs: bool = True):
-        from treeserve.params import GenerationParams
-
         device = model.device
         self.model, self.max_new_tokens, self.temperature = model, max_new_tokens, temperature
         # Sampling stays eager: a graph would replay its generator's draws.
@@ -672,8 +671,7 @@ def settings_from_args(args) -> TrainSettings:
         minimum = 0 if name == "held_out" else 2 if name == "block_size" else 1
         if getattr(args, name) < minimum:
             raise TreeserveError(f"--{name.replace('_', '-')} must be at least {minimum}, got {getattr(args, name)}")
-    if not args.temperature >= 0:
-        raise TreeserveError(f"--temperature must be >= 0, got {args.temperature}")
+    GenerationParams(temperature=args.temperature).validate()  # regeneration samples by the serving rules
     return settings
 
 
