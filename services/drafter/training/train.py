@@ -756,9 +756,8 @@ def run(args) -> int:
     arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     record = {"command": shlex.join(sys.argv), "arguments": arguments, "drafter": cfg.to_json(),
               "data": data_stats(data), "held_out_data": data_stats(held_out), **summary}
-    parent_record = args.init_from / SUMMARY_NAME if args.init_from is not None else None
-    if parent_record is not None and parent_record.is_file():  # the record says all the drafter went through
-        record["started_from"] = json.loads(parent_record.read_text())
+    if args.init_from is not None and (args.init_from / SUMMARY_NAME).is_file():  # all the drafter went through
+        record["started_from"] = json.loads((args.init_from / SUMMARY_NAME).read_text())
     (args.out / SUMMARY_NAME).write_text(json.dumps(record, indent=2) + "\n")
     log_stderr(f"train: saved the drafter to {args.out}")
     return 0
