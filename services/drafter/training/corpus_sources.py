@@ -585,6 +585,9 @@ def list_sources() -> None:
         print(f"{source.name:<24} {source.split:<16} {source.licence:<40} {state}")
 
 
+FLIT_CORE = "flit_core==4.2.0"  # Sphinx's build backend, to read its sdist's metadata
+
+
 def install_commands() -> list[str]:
     """The commands that install every registered source that is not part of the venv."""
     debian = sorted({s.where.package for s in SOURCES if isinstance(s.where, DebianPackage)})
@@ -593,8 +596,10 @@ def install_commands() -> list[str]:
     return [f"apt-get install -y --no-install-recommends {' '.join(debian)}",
             f"npm install --prefix {NPM_PREFIX} --no-save --no-audit --no-fund --ignore-scripts "
             f"{' '.join(npm_packages)}",
-            # Without build isolation pip reads each sdist's metadata with the installed setuptools instead of
-            # first building its build requirements (Cython among them) from source: seconds, not minutes.
+            # Without build isolation pip reads each sdist's metadata with the venv's own build backends
+            # (setuptools, and flit_core for Sphinx) instead of first building its build requirements (Cython
+            # among them) from source: seconds, not minutes.
+            f"{sys.executable} -m pip install {FLIT_CORE}",
             f"{sys.executable} -m pip download --no-binary :all: --no-deps --no-build-isolation --dest {PYPI_FOLDER} "
             f"{' '.join(sdists)}",
             f'for f in {PYPI_FOLDER}/*.tar.gz; do tar -xzf "$f" -C {PYPI_FOLDER}; done']
