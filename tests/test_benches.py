@@ -114,6 +114,19 @@ def test_draft_profile_on_the_cpu(tmp_path):
     assert all(row["ms"][step] > 0 for step in STEPS) and all(row["ms"][step] == 0.0 for step in DEVICE_STEPS)
 
 
+def test_plain_round_on_the_cpu(tmp_path):
+    """A plain step in process, through the scheduler and behind gRPC, on a tiny target: each way timed."""
+    from treeserve.bench.plain_round import WAYS, main
+
+    target = tiny_models.write_hf_folder("qwen3", tmp_path / "model", seed=0)
+    out = tmp_path / "plain-round.json"
+    assert main(["--target", str(target), "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "6",
+                 "--requests", "2", "--turns", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert all(len(report["ms_a_token"][way]) == 1 and report["ms_a_token"][way][0] > 0 for way in WAYS)
+    assert report["share_of_in_process"]["in_process"] == 1.0
+
+
 @pytest.mark.slow
 def test_service_profile_on_the_cpu(tmp_path):
     """A second of each mode through the three services: tokens, the verifier's phases, and (where py-spy is

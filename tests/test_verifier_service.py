@@ -194,9 +194,9 @@ def test_a_batch_never_grows_past_max_batch(tmp_path, target):
         batches = []
         forward = scheduler.runner.forward
 
-        async def counting_forward(plans):
+        async def counting_forward(plans, generations):
             batches.append(len(plans))
-            return await forward(plans)
+            return await forward(plans, generations)
 
         scheduler.runner.forward = counting_forward
         async with grpc.aio.insecure_channel(service.address) as channel:

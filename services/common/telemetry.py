@@ -113,6 +113,7 @@ def start_telemetry(service: str, metrics, metrics_listen: str) -> Tracing:
 
 
 # Round phases take from tens of microseconds (transport on a Unix socket) to seconds (a big CPU forward).
+ROUND_PHASES = ("draft", "transport", "verify", "round", "round_with_prompts")
 PHASE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -135,6 +136,8 @@ class VerifierMetrics:
             "the drafter minus its compute), verify (target forward and acceptance), round (the whole round, "
             "scheduling included), round_with_prompts (the same, of the rounds that prefill a prompt)", ["phase"],
             buckets=PHASE_BUCKETS, registry=r)
+        # Bound once: a labels() lookup in every round is a visible part of a small target's round.
+        self.phase_seconds = {phase: self.round_seconds.labels(phase=phase) for phase in ROUND_PHASES}
         self.generated_tokens = Counter("treeserve_generated_tokens", "Tokens committed to outputs", registry=r)
         self.requests = Counter("treeserve_verifier_requests", "Requests that ended, by how", ["outcome"],
                                 registry=r)

@@ -302,20 +302,21 @@ class FeatureBacklog:
 
 
 def commit_round(generations: list["Generation"], plans: list[ForwardPlan], logits: list[Rows],
-                 features: list[Rows | None], backlog: FeatureBacklog | None = None) -> list[list[int]]:
-    """Each generation's choices from its logits, moved to the host in one transfer (the round's one wait on
-    the device), then committed. The kept features of those that keep them go to `backlog` (by default one
-    flushed at once: on the host when this returns). Returns each generation's committed tokens."""
+                 features: list[Rows | None], backlog: FeatureBacklog | None = None,
+                 choices: list[list[int]] | None = None) -> list[list[int]]:
+    """Each generation's choices from its logits (or `choices`, picked already: HostPicks), moved to the host in
+    one transfer (the round's one wait on the device), then committed. The kept features of those that keep them
+    go to `backlog` (by default one flushed at once: on the host when this returns). Returns each generation's
+    committed tokens."""
     if not generations:
         return []
-    picks = pick_round(generations, plans, logits)
-    flat = torch.cat(picks).tolist()
-    committed, start = [], 0
+    if choices is None:
+        choices = HostPicks(pick_round(generations, plans, logits)).lists()
+    committed = []
     pool = plans[0].cache.cache if isinstance(plans[0].cache, PagedSequence) else None
     with pool.moves_together() if pool is not None else contextlib.nullcontext():  # the accepted paths' KV
-        for generation, plan, plan_features, pick in zip(generations, plans, features, picks):
-            committed.append(generation.apply(plan, flat[start:start + len(pick)], plan_features))
-            start += len(pick)
+        for generation, plan, plan_features, chosen in zip(generations, plans, features, choices):
+            committed.append(generation.apply(plan, chosen, plan_features))
     keeping = [generation.features for generation in generations if generation.features.keep]
     if keeping:
         into = backlog if backlog is not None else FeatureBacklog()
@@ -346,6 +347,31 @@ def pick_round(generations: list["Generation"], plans: list[ForwardPlan], logits
         for i, part in zip(members, chosen.split(sizes)):
             picks[i] = part
     return picks
+
+
+class HostPicks:
+    """A round's picks (pick_round) on their way to the host in one copy, into page-locked memory from a GPU so
+    that launching it does not wait: a caller that waits for the device anyway (`copied`) finds them there."""
+
+    def __init__(self, picks: list[torch.Tensor]):
+        self.sizes = [len(pick) for pick in picks]
+        flat = torch.cat(picks)
+        self.copied: torch.cuda.Event | None = None
+        if flat.is_cuda:
+            flat = flat.to("cpu", non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        self.flat = flat
+
+    def lists(self) -> list[list[int]]:
+        """Each plan's picks, once the copy has ended."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        values, start, found = self.flat.tolist(), 0, []
+        for size in self.sizes:
+            found.append(values[start:start + size])
+            start += size
+        return found
 
 
 class Stops:

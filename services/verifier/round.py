@@ -25,7 +25,8 @@ from treeserve.models import DecoderLM
 from treeserve.tree import DraftTree
 from treeserve.v1 import generation_pb2, verifier_pb2
 from treeserve.verifier.drafter_link import DraftRound, DrafterLink
-from treeserve.verifier.engine import FeatureBacklog, ForwardPlan, Generation, commit_round, forward_batch
+from treeserve.verifier.engine import (FeatureBacklog, ForwardPlan, Generation, HostPicks, commit_round, forward_batch,
+                                       pick_round)
 from treeserve.verifier.graphs import TreeVerifier
 from treeserve.wire import FINISH_REASONS
 
@@ -164,29 +165,44 @@ class TargetRunner:
         else:
             generation.release()
 
-    async def forward(self, plans: list[ForwardPlan]) -> tuple[list, list]:
-        """forward_batch, its results on the device when this returns, while the loop goes on serving.
+    async def forward(self, plans: list[ForwardPlan], generations: list[Generation]
+                      ) -> tuple[list, list, list[list[int]]]:
+        """forward_batch, its results on the device when this returns, and each plan's picks for its generation
+        (pick_round) on the host, while the loop goes on serving.
 
-        On one GPU the forward is launched from the loop's own thread (graph replays return at once) and the loop
-        polls for its end (`wait_for_device`): from a worker, each torch call would have to win the GIL back from
-        the loop, busy with the streams. Where the forward blocks, all of it runs on the compute thread:
-        on the CPU, which computes as it is called, and under tensor parallelism, where a collective with a dead
-        rank may never return and the loop must stay free to notice and fail the streams."""
+        On one GPU the forward is launched from the loop's own thread (graph replays return at once), the picks
+        and their copy to the host behind it, and the loop polls for their end (`wait_for_device`): from a
+        worker, each torch call would have to win the GIL back from the loop, busy with the streams. Where the
+        forward blocks, all of it runs on the compute thread: on the CPU, which computes as it is called, and
+        under tensor parallelism, where a collective with a dead rank may never return and the loop must stay
+        free to notice and fail the streams."""
         self.in_flight = True
         try:
-            args = (self.model, plans, self.feature_layer_ids, self.verifier)
+            args = (self.model, plans, self.feature_layer_ids, self.verifier, generations)
             if self.verifier.pool.data.device.type != "cuda" or self.verifier.mirror is not None:
-                return await asyncio.get_running_loop().run_in_executor(self.compute, forward_batch, *args)
-            found = forward_batch(*args)
-            finished = torch.cuda.Event()
-            finished.record()
-            await wait_for_device(finished)
-            return found
+                return await asyncio.get_running_loop().run_in_executor(self.compute, forward_and_picks, *args)
+            logits, features, picks = launch_forward_and_picks(*args)
+            await wait_for_device(picks.copied)
+            return logits, features, picks.lists()
         finally:
             self.in_flight = False
             for generation in self.release_after:
                 generation.release()
             self.release_after.clear()
+
+
+def launch_forward_and_picks(model: DecoderLM, plans: list[ForwardPlan], feature_layer_ids: tuple[int, ...],
+                             verifier: TreeVerifier, generations: list[Generation]
+                             ) -> tuple[list, list, HostPicks]:
+    """forward_batch, then the round's picks and their copy to the host queued behind it, waiting for none."""
+    logits, features = forward_batch(model, plans, feature_layer_ids, verifier)
+    return logits, features, HostPicks(pick_round(generations, plans, logits))
+
+
+def forward_and_picks(*args) -> tuple[list, list, list[list[int]]]:
+    """launch_forward_and_picks, waited for."""
+    logits, features, picks = launch_forward_and_picks(*args)
+    return logits, features, picks.lists()
 
 
 # How long the loop polls for a forward's end before it waits in a thread: longer than a small target's round.
@@ -226,13 +242,14 @@ async def speculative_round(running: dict[str, Running], speculation: Speculatio
     planned = time.perf_counter()
     report.plan_s = planned - drafted
     # Forward: the target over every request's rows at once.
-    logits, features = await runner.forward(list(plans.values()))
+    logits, features, choices = await runner.forward(
+        list(plans.values()), [running[request_id].generation for request_id in plans])
     # Commit: each request keeps its longest accepted path and the target's own next token.
     alive = {request_id: i for i, request_id in enumerate(plans) if request_id in running}
     generations = [running[request_id].generation for request_id in alive]
     committed = commit_round(generations, [plans[request_id] for request_id in alive],
                              [logits[i] for i in alive.values()], [features[i] for i in alive.values()],
-                             runner.feature_backlog)
+                             runner.feature_backlog, [choices[i] for i in alive.values()])
     verified = time.perf_counter()
     report.verify_s = verified - planned
     # Emit: the committed tokens on each request's stream, then the final message of one that has finished.

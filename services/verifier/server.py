@@ -243,17 +243,17 @@ class Scheduler:
 
     def _observe(self, report: RoundReport, spans: dict[str, trace.Span], started: float) -> None:
         """The round's observers read its report: the speculation policy, the spans and the metrics. Then the
-        requests that finished leave."""
+        requests that finished leave. The metrics are recorded at the loop's next turn, which on a GPU comes
+        while the next round's forward runs: off the rounds' path."""
         checked = self.speculation.observe(report)
         for request in report.requests:
             if request.request_id in spans:
                 spans[request.request_id].set_attributes(round_attributes(request, report))
-        self._record(report, checked, time.perf_counter() - started)
+        asyncio.get_running_loop().call_soon(self._record, report, checked, time.perf_counter() - started)
         for request in report.requests:
             if request.finish_reason is not None:
                 self.metrics.requests.labels(outcome=request.finish_reason).inc()
                 self.cancel(request.request_id)
-        self._update_gauges()
 
     def _record(self, report: RoundReport, checked: tuple[int, float] | None, seconds: float) -> None:
         """The round's metrics (`checked`: the policy's realized over expected drafts at a batch bucket, when it
@@ -264,20 +264,20 @@ class Scheduler:
             metrics.rounds_by_budget.labels(budget=str(report.choice.budget)).inc()
         for found in report.drafts:
             if found.trees:
-                metrics.round_seconds.labels(phase="draft").observe(found.propose_s)
+                metrics.phase_seconds["draft"].observe(found.propose_s)
                 transport_s = max(0.0, found.round_trip_s - found.propose_s)
-                metrics.round_seconds.labels(phase="transport").observe(transport_s)
+                metrics.phase_seconds["transport"].observe(transport_s)
         if report.forward_batch:
             metrics.generated_tokens.inc(report.tokens)
             metrics.record_trees([(request.tree_nodes, request.accepted) for request in report.requests
                                   if not request.prompt_tokens])
-            metrics.round_seconds.labels(phase="verify").observe(report.verify_s + report.emit_s)
+            metrics.phase_seconds["verify"].observe(report.verify_s + report.emit_s)
         if checked is not None:
             batch, factor = checked
             metrics.realized_over_expected.labels(batch=str(batch)).set(factor)
-        metrics.round_seconds.labels(phase="round").observe(seconds)
+        metrics.phase_seconds["round"].observe(seconds)
         if report.with_prompts:  # beside all rounds: where a mode's rounds with prompts cost more, and how many
-            metrics.round_seconds.labels(phase="round_with_prompts").observe(seconds)
+            metrics.phase_seconds["round_with_prompts"].observe(seconds)
         else:
             self._check_expectation(report, seconds)
 
