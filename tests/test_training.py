@@ -301,6 +301,8 @@ def test_train_drafter_command_end_to_end(tmp_path, capsys):
     summary = json.loads((out / "training.json").read_text())
     assert summary["data"]["sequences"] + summary["held_out_data"]["sequences"] <= 10
     assert summary["held_out"]["accepted_length"] >= 1.0 and summary["start_step"] == 0
+    # The command as a user types it, without the path of whatever ran it.
+    assert summary["command"].startswith("treeserve train-drafter --target ")
     drafter = load_dflash(out)
     assert drafter.config.target_layer_ids == (0, 1) and drafter.config.block_size == 4
     assert len((out / "data.jsonl").read_text().splitlines()) == 10
