@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from treeserve.errors import TreeserveError
 from treeserve.settings import OneLineErrorParser
 
 WAYS = ("in_process", "scheduler", "grpc")
@@ -99,7 +100,10 @@ def grpc_client(address: str, prompt: list[int], max_new_tokens: int, requests: 
                 found.append(ms_a_token(first, time.perf_counter(), tokens))
         return found
 
-    results.put(asyncio.run(run()))
+    try:
+        results.put(asyncio.run(run()))
+    except Exception as error:  # the parent says what failed rather than waiting for a result that never comes
+        results.put(f"{type(error).__name__}: {error}")
 
 
 async def through_grpc(address: str, prompt: list[int], args) -> list[float]:
@@ -108,9 +112,12 @@ async def through_grpc(address: str, prompt: list[int], args) -> list[float]:
     client = context.Process(target=grpc_client, args=(address, prompt, args.max_new_tokens, args.requests, results))
     client.start()
     try:
-        return await asyncio.to_thread(results.get, True, 600)
+        found = await asyncio.to_thread(results.get, True, 600)
     finally:
         await asyncio.to_thread(client.join, 30)
+    if isinstance(found, str):
+        raise TreeserveError(f"the gRPC client failed: {found}")
+    return found
 
 
 async def measure(args, target, verifier) -> dict[str, list[float]]:
@@ -150,11 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     from treeserve.models.graphs import graphs_wanted
     from treeserve.verifier.graphs import build_verifier
 
-    target = load_target(args.target, args.device, args.dtype)
-    verifier = build_verifier(target.model, 8, graphs_wanted("auto", args.device), 0)
-    if verifier.use_graphs:
-        verifier.capture(())
-    medians = asyncio.run(measure(args, target, verifier))
+    try:
+        target = load_target(args.target, args.device, args.dtype)
+        verifier = build_verifier(target.model, 8, graphs_wanted("auto", args.device), 0)
+        if verifier.use_graphs:
+            verifier.capture(())
+        medians = asyncio.run(measure(args, target, verifier))
+    except TreeserveError as error:
+        print(f"plain_round: error: {error}", file=sys.stderr)
+        return 1
     report = {"command": " ".join(["python -m treeserve.bench.plain_round", *args.argv]), "target": args.target,
               "device": args.device, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
               "ms_a_token": {way: [round(ms, 4) for ms in values] for way, values in medians.items()}}

@@ -157,6 +157,7 @@ class Scheduler:
             if not self.waiting and not self.running:
                 await self._send_drops()
             if not self.waiting and not self.running:  # (a request may have come while the drops went out)
+                self._update_gauges()  # the KV of a request cancelled mid-forward came back after the round
                 self.wake.clear()
                 await self.wake.wait()
             self._admit()
