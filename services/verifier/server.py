@@ -63,6 +63,10 @@ class Scheduler:
         # Set when a tensor-parallel rank is gone: nothing runs again; `on_rank_lost(error)` takes the service down.
         self.lost: RankLost | None = None
         self.on_rank_lost = None
+        # Read when the metrics are scraped, not kept up to date round by round.
+        self.metrics.waiting.set_function(lambda: len(self.waiting))
+        self.metrics.running.set_function(lambda: len(self.running))
+        self.metrics.kv_slots.set_function(self._kv_slots)
 
     @property
     def feature_layer_ids(self) -> tuple[int, ...]:
@@ -115,7 +119,6 @@ class Scheduler:
         speculate = generation.budget > 0 and bool(self.links)
         link = min(self.links, key=self._load) if speculate else None
         self.waiting[request_id] = Running(generation, asyncio.Queue(), link, span)
-        self._update_gauges()
         self.wake.set()
         return self.waiting[request_id].outbox
 
@@ -128,14 +131,11 @@ class Scheduler:
             if entry.link is not None:
                 entry.link.forget(request_id)
             self.speculation.forget(request_id)
-        self._update_gauges()
         return entry is not None
 
-    def _update_gauges(self) -> None:
-        self.metrics.waiting.set(len(self.waiting))
-        self.metrics.running.set(len(self.running))
+    def _kv_slots(self) -> int:
         allocator = self.verifier.pool.allocator
-        self.metrics.kv_slots.set((allocator.num_blocks - allocator.free_count) * self.verifier.pool.block_size)
+        return (allocator.num_blocks - allocator.free_count) * self.verifier.pool.block_size
 
     def _load(self, link: DrafterLink) -> int:
         return sum(1 for entry in self.running.values() if entry.link is link)
@@ -157,11 +157,9 @@ class Scheduler:
             if not self.waiting and not self.running:
                 await self._send_drops()
             if not self.waiting and not self.running:  # (a request may have come while the drops went out)
-                self._update_gauges()  # the KV of a request cancelled mid-forward came back after the round
                 self.wake.clear()
                 await self.wake.wait()
             self._admit()
-            self._update_gauges()
             spans = {}
             try:
                 started = time.perf_counter()
