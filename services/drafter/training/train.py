@@ -754,8 +754,8 @@ def run(args) -> int:
                f"sequences, device {device}")
     summary = train(model, target.model, data, held_out, args.out, settings)
     arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    record = {"command": shlex.join(["treeserve", "train-drafter", *args.argv]), "arguments": arguments, "drafter": cfg.to_json(),
-              "data": data_stats(data), "held_out_data": data_stats(held_out), **summary}
+    record = {"command": shlex.join(["treeserve", "train-drafter", *args.argv]), "arguments": arguments,
+              "drafter": cfg.to_json(), "data": data_stats(data), "held_out_data": data_stats(held_out), **summary}
     if args.init_from is not None and (args.init_from / SUMMARY_NAME).is_file():  # all the drafter went through
         record["started_from"] = json.loads((args.init_from / SUMMARY_NAME).read_text())
     (args.out / SUMMARY_NAME).write_text(json.dumps(record, indent=2) + "\n")
