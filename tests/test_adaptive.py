@@ -5,6 +5,7 @@ through its interface: its choice, the round reports it observes, and the public
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -195,6 +196,73 @@ def test_catch_up_round_trips_price_tries_not_rounds():
     # comes after explore_every plain rounds, or once they have taken 1 / SHARE times those 250 ms.
     assert plain_rounds_before_a_try(None) == 32
     assert plain_rounds_before_a_try(250.0) == pytest.approx(0.250 / Exploration.SHARE / 0.011, abs=2)
+
+
+def lookup_costs(adaptive: AdaptiveSpeculation, batch: int, draft_ms: float):
+    """Round trips for prompt lookup's trees alone, at every budget."""
+    for _ in range(RecentCost.SETTLED):
+        for budget_step in BUDGET_STEPS:
+            adaptive.costs.observe_draft(batch, budget_step, draft_ms / 1000, lookup=True)
+
+
+def test_where_the_drafters_own_trees_cost_too_much_lookups_may_pay():
+    """Four requests on text that copies its prompt: the drafter's own trees (a model forward: 10 ms) do not pay,
+    prompt lookup's (0.2 ms) do, so rounds ask for lookup's; where the drafter offers none, rounds decode plainly."""
+    ids = ["a", "b", "c", "d"]
+
+    def policy() -> AdaptiveSpeculation:
+        adaptive = AdaptiveSpeculation()
+        costs(adaptive, 4, {1: 2.0, 2: 2.4, 3: 2.4, 5: 2.4, 9: 2.4, 17: 2.4}, draft_ms=10.0)
+        lookup_costs(adaptive, 4, 0.2)
+        accept(adaptive, ids, 16, 5)  # the drafter's own trees: 5 tokens a round at budget 16
+        for _ in range(10):  # lookup's: 3
+            for request_id in ids:
+                adaptive.lookup_acceptance.observe(request_id, 16, 3)
+        return adaptive
+
+    choice = policy().choose({i: 16 for i in ids}, batch=4, lookup=True)
+    assert choice.lookup and choice.budget == 16 and choice.label == "lookup-16"
+    assert choice.expected[1] == pytest.approx(0.0026)
+    assert policy().choose({i: 16 for i in ids}, batch=4).budget == 0
+    # At one request the drafter's own tree pays (its draft costs 1 ms there) and wins.
+    adaptive = policy()
+    costs(adaptive, 1, {1: 1.5, 2: 1.9, 3: 1.9, 5: 1.9, 9: 1.9, 17: 1.9}, draft_ms=1.0)
+    lookup_costs(adaptive, 1, 0.2)
+    alone = adaptive.choose({"a": 16}, batch=1, lookup=True)
+    assert alone.budget == 16 and not alone.lookup
+
+
+def test_the_drafters_own_trees_teach_what_lookup_alone_would_accept():
+    """A merged drafter's tree starts with prompt lookup's chain: how far the accepted path followed it is what
+    lookup's tree would have accepted, learnt without playing one; a round of lookup's trees teaches it directly
+    and leaves the drafter's own model unobserved."""
+    adaptive = AdaptiveSpeculation()
+    before = adaptive.lookup_acceptance.slope("a")
+    for _ in range(10):  # budget 16: a chain of at most 8, all accepted; the tree's other nodes added 2 more
+        adaptive.observe(RoundReport(1, Choice(16), {"a": 16}, [], forward_batch=1, largest_tree=17, requests=[
+            RequestReport("a", committed=11, tree_nodes=16, accepted=10, lookup_accepted=8)], verify_s=0.002))
+    learnt = adaptive.lookup_acceptance.slope("a")
+    assert learnt > before and learnt == pytest.approx(8 / math.log2(9), rel=0.1)
+    own = adaptive.acceptance.slope("a")
+    assert own == pytest.approx(10 / math.log2(17), rel=0.1)
+    for _ in range(10):  # lookup's own trees now accept nothing
+        adaptive.observe(RoundReport(1, Choice(16, lookup=True), {"a": 16}, [], forward_batch=1, largest_tree=17,
+                                     requests=[RequestReport("a", committed=1, tree_nodes=16, accepted=0)],
+                                     verify_s=0.002))
+    assert adaptive.lookup_acceptance.slope("a") < learnt / 2 and adaptive.acceptance.slope("a") == own
+
+
+def test_a_lone_requests_first_tree_is_the_drafters_own():
+    """It teaches both models (its lookup chain included), however well lookup's trees have done before."""
+    adaptive = AdaptiveSpeculation()
+    costs(adaptive, 1, {1: 1.5, 17: 1.9}, draft_ms=3.0)
+    lookup_costs(adaptive, 1, 0.1)
+    accept(adaptive, ["old"], 16, 1)  # the drafter's own trees missed before
+    for _ in range(10):
+        adaptive.lookup_acceptance.observe("old", 16, 6)
+    adaptive.forget("old")
+    first = adaptive.choose({"new": 16}, batch=1, lookup=True)
+    assert first.budget > 0 and not first.lookup
 
 
 def test_a_request_catches_up_when_new_on_the_stream_or_after_plain_rounds():
@@ -568,7 +636,7 @@ def test_an_adaptive_stack_streams_the_tokens_of_plain_decoding(tmp_path):
         metrics = scrape(services.verifier_metrics)
         assert ("treeserve_verifier_round_budget", ()) in metrics
         chosen = round_totals(f"127.0.0.1:{services.verifier_metrics}").budgets
-        assert sum(chosen.values()) > 0 and set(chosen) <= {0, *BUDGET_STEPS}
+        assert sum(chosen.values()) > 0 and set(chosen) <= {str(step) for step in (0, *BUDGET_STEPS)}
         # treeserve bench reports what the adaptive verifier chose in each speculative run.
         prompts = tmp_path / "prompts.jsonl"
         prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))

@@ -154,7 +154,7 @@ class EveryFifthRound(FixedSpeculation):
     def __init__(self):
         self.rounds = 0
 
-    def round_budgets(self, asked, batch):
+    def round_budgets(self, asked, batch, lookup=False):
         if not asked:
             return {}, None
         self.rounds += 1
@@ -182,6 +182,76 @@ def test_features_of_plain_rounds_reach_the_drafter_when_it_next_drafts(tmp_path
         assert output == expected(target, prompt)
     assert check_received_features(target, drafter) == len(PROMPTS)
     assert all(len(context.received) < len(context.tokens) - 1 for context in drafter.contexts)  # rows came batched
+
+
+class OwnLookupPlain(FixedSpeculation):
+    """Rounds in turn: the drafter's own trees (budget 8), prompt lookup's alone, plain decoding."""
+
+    def __init__(self):
+        self.rounds, self.offered, self.reports = 0, [], []
+
+    def observe(self, report):
+        self.reports.append(report)
+
+    def round_budgets(self, asked, batch, lookup=False):
+        if not asked:
+            return {}, None
+        self.offered.append(lookup)
+        kind, self.rounds = self.rounds % 3, self.rounds + 1
+        if kind == 2:
+            return {}, Choice(0)
+        return {request_id: min(8, own) for request_id, own in asked.items()}, Choice(8, lookup=kind == 1)
+
+
+def test_rounds_of_lookups_trees_alone_keep_the_merged_drafters_context(tmp_path, target):
+    """A merged drafter offers prompt lookup's trees alone; rounds that ask for them get the n-gram drafter's trees
+    (no DFlash forward), their features still reach the DFlash context in order, and the output stays the target's
+    own. The drafter's own trees say how long their lookup chain is."""
+    from treeserve.drafter.merged import MergedDrafter
+    from treeserve.drafter.ngram import NgramDrafter
+
+    drafter = recording_drafter(target)
+    merged = MergedDrafter(drafter)
+    lookups, own = [], []
+    propose, propose_lookup = merged.propose, merged.propose_lookup
+
+    def recording_propose_lookup(contexts, budgets):
+        trees = propose_lookup(contexts, budgets)
+        lookups.extend((list(context.tokens), budget, tree) for context, budget, tree in zip(contexts, budgets, trees))
+        return trees
+
+    def recording_propose(contexts, budgets):
+        trees = propose(contexts, budgets)
+        own.extend(trees)
+        return trees
+
+    merged.propose, merged.propose_lookup = recording_propose, recording_propose_lookup
+    policy = OwnLookupPlain()
+
+    async def main():
+        drafter_service = await start_drafter(tmp_path, merged)
+        link = DrafterLink(drafter_service.address, timeout_s=5.0)
+        verifier, scheduler, task = await start_verifier(tmp_path, target, link, policy)
+        assert link.lookup_trees
+        async with grpc.aio.insecure_channel(verifier.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            outputs = await asyncio.gather(*(collect(stub, request(p)) for p in PROMPTS))
+        await stop_all(task, verifier, link, drafter_service)
+        return outputs
+
+    outputs = asyncio.run(main())
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output == expected(target, prompt)
+    assert check_received_features(target, drafter) == len(PROMPTS)
+    assert all(policy.offered) and lookups and own
+    assert all(tree == NgramDrafter().tree(tokens, budget) for tokens, budget, tree in lookups)
+    assert all(tree.lookup_nodes is not None for tree in own)
+    # The verifier reads off each own tree's accepted path what its lookup chain alone would have accepted.
+    drafted = [(report.lookup, request) for report in policy.reports for request in report.requests
+               if request.tree_nodes]
+    assert {lookup for lookup, _ in drafted} == {False, True}
+    assert all((request.lookup_accepted is None) == lookup for lookup, request in drafted)
+    assert all(request.lookup_accepted <= request.accepted for lookup, request in drafted if not lookup)
 
 
 def test_a_drafter_reached_over_tcp_drafts_as_over_a_unix_socket(tmp_path, target):

@@ -61,6 +61,7 @@ def test_get_info(tmp_path):
         info = await stub.GetInfo(drafter_pb2.DrafterServiceGetInfoRequest())
         assert (info.kind, info.max_budget, list(info.feature_layer_ids)) == ("ngram", 32, [])
         assert info.draft_socket == f"{tmp_path}/d.sock.draft"
+        assert not info.lookup_trees  # its own trees are lookup's: it takes no lookup_only items
     with_drafter(tmp_path, test, max_budget=32)
 
 
@@ -207,6 +208,8 @@ def test_health_and_reflection(tmp_path):
     ([item("a", [1]), item("a", [2])], "more than one item"),
     ([drafter_pb2.DraftItem(request_id="a", new_token_ids=[1], features=drafter_pb2.Features(dtype="float32"))],
      "features sent"),
+    ([drafter_pb2.DraftItem(request_id="a", new_token_ids=[1], budget=2, lookup_only=True)],
+     "asks for prompt lookup's tree alone, which the ngram drafter does not draft"),
 ])
 def test_bad_input_aborts_the_stream_with_invalid_argument(tmp_path, bad_items, message):
     async def test(service, channel, stub):

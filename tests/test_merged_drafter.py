@@ -27,7 +27,9 @@ def test_merge_puts_the_chain_first_and_shares_its_prefix_with_the_tree():
     merged.validate(VOCAB)
     assert merged.tokens[:4] == [9, 1, 2, 3] and merged.parents[:4] == [-1, 0, 1, 2]
     assert set(token_paths(merged)) == {(1,), (1, 2), (1, 2, 3), (1, 2, 5), (7,)}
-    assert merge(9, [], tree) == tree  # no continuation: the tree as it is
+    assert merged.lookup_nodes == 3
+    # No continuation: the tree as it is, with a lookup chain of no nodes.
+    assert merge(9, [], tree) == DraftTree(tree.tokens, tree.parents, lookup_nodes=0)
 
 
 def test_merge_is_the_trie_of_the_chain_and_the_tree():
@@ -53,6 +55,12 @@ def test_merge_is_the_trie_of_the_chain_and_the_tree():
         expected = [tuple(chain[:d]) for d in range(1, len(chain) + 1)]
         expected += [path for path in token_paths(tree) if path not in expected]
         assert paths == expected
+        assert merged.lookup_nodes == len(chain)
+        # Cut at a depth, the chain keeps its first nodes and their places.
+        for depth in range(1, 4):
+            cut = merged.truncated(depth)
+            assert cut.lookup_nodes == min(len(chain), depth) and token_paths(cut)[:cut.lookup_nodes] == [
+                tuple(chain[:d]) for d in range(1, cut.lookup_nodes + 1)]
 
 
 def test_merged_trees_hold_the_lookup_continuation_and_keep_to_the_budget():
@@ -72,3 +80,47 @@ def test_merged_trees_hold_the_lookup_continuation_and_keep_to_the_budget():
             assert token_paths(tree)[:len(chain)] == [tuple(chain[:i + 1]) for i in range(len(chain))]
     drafter.release(context)
     assert drafter.dflash.pool.allocator.free_count == drafter.dflash.pool.allocator.num_blocks
+
+
+def test_lookup_rounds_draft_prompt_lookups_trees_and_keep_the_dflash_context_whole():
+    """A round of prompt lookup's trees alone gives the n-gram drafter's tree of the whole budget, and its tokens and
+    features still extend the DFlash context: the next own tree is the one a drafter fed the same context without
+    lookup rounds proposes."""
+    from treeserve.drafter.ngram import NgramDrafter
+
+    target = random_target("llama", seed=2, vocab_size=VOCAB, weight_scale=2.0)
+    tokens = [4, 5, 6, 7, 8, 9, 4, 5, 6, 7, 8, 3, 4, 5]
+    features = target_features(target, tokens[:-1], (0, 1))
+    with_lookup, plain = (MergedDrafter(random_dflash_drafter(target, "ddtree")) for _ in range(2))
+    contexts = [drafter.new_context() for drafter in (with_lookup, plain)]
+    for drafter, context in zip((with_lookup, plain), contexts):
+        drafter.extend(context, tokens[:6], features[:5])
+    for end in (9, 12, 14):  # lookup rounds for one of them only
+        (tree,) = with_lookup.propose_lookup([contexts[0]], [8])
+        assert tree == NgramDrafter().tree(contexts[0].tokens, 8) and tree.lookup_nodes is None
+        for drafter, context in zip((with_lookup, plain), contexts):
+            start = len(context.tokens)
+            drafter.extend(context, tokens[start:end], features[start - 1:end - 1])
+    assert with_lookup.propose(contexts[:1], [8]) == plain.propose(contexts[1:], [8])
+
+
+def test_the_accepted_path_tells_how_far_the_lookup_chain_alone_would_have_gone():
+    """chain_accepted counts the chain's nodes at the head of the accepted path: where the target's choices follow
+    the chain for j tokens and then leave it (into a DFlash branch or nowhere), lookup alone would have accepted j."""
+    from treeserve.verifier.acceptance import chain_accepted, walk_tree
+
+    tree = DraftTree([9, 1, 2, 5, 7], [-1, 0, 1, 2, 0])  # 9 -> 1 -> 2 -> 5, 9 -> 7
+    merged = merge(9, [1, 2, 3], tree)  # 9 -> 1 -> 2 -> 3 (the chain: nodes 1..3), 2 -> 5, 9 -> 7
+    cases = {(1, 2, 3, 8): 3, (1, 2, 5, 8): 2, (1, 6): 1, (7, 8): 0, (6,): 0}
+    for path, want in cases.items():
+        choices = [0] * merged.size
+        node = 0
+        for token in path:  # the choice at each node on the way is the path's next token
+            choices[node] = token
+            node = next((c for c in merged.children()[node] if merged.tokens[c] == token), None)
+            if node is None:
+                break
+        kept, emitted = walk_tree(merged, choices)
+        assert emitted == list(path[:len(emitted)]) and chain_accepted(kept, merged.lookup_nodes) == want
+    assert chain_accepted([0, 1], None) is None
+    assert chain_accepted([0, 1, 2], 1) == 1  # a chain of one node

@@ -203,6 +203,7 @@ def test_round_totals_read_a_verifiers_rounds_from_its_metrics():
     for seconds in (0.010, 0.030):
         metrics.round_seconds.labels(phase="round").observe(seconds)
     metrics.rounds_by_budget.labels(budget="0").inc(2)
+    metrics.rounds_by_budget.labels(budget="lookup-4").inc(4)
     metrics.rounds_by_budget.labels(budget="16").inc()
     metrics.plain_admissions.inc(5)
     metrics.drafting_stopped.inc(3)
@@ -219,9 +220,13 @@ def test_round_totals_read_a_verifiers_rounds_from_its_metrics():
     finally:
         server.shutdown()
     assert totals.phases["round"] == (pytest.approx(0.040), 2.0)
-    assert totals.budgets == {0: 2.0, 16: 1.0} and totals.plain_admissions == 5.0 and totals.drafting_stopped == 3.0
+    assert totals.budgets == {"0": 2.0, "16": 1.0, "lookup-4": 4.0}
+    assert totals.plain_admissions == 5.0 and totals.drafting_stopped == 3.0
+    # In order: plain, the drafter's own trees by budget, then prompt lookup's.
+    assert list(telemetry.rounds_by_budget(before, totals)) == []
+    assert list(telemetry.rounds_by_budget(telemetry.RoundTotals({}, {}), totals)) == ["0", "16", "lookup-4"]
     assert before.checked == {}
-    assert telemetry.checked_by_budget(before, totals) == {4: {
+    assert telemetry.checked_by_budget(before, totals) == {"4": {
         "rounds": 2, "expected_tokens": 9.0, "realized_tokens": 8.0, "expected_ms": 2.0, "realized_ms": 3.0}}
 
 

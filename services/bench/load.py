@@ -290,10 +290,10 @@ def run_bench(args) -> dict:
                                                      - before.phases.get("round_with_prompts", (0.0, 0.0))[1])
                 chosen = rounds_by_budget(before, after)
                 if chosen:  # an adaptive verifier: the rounds by the budget it chose
-                    row["adaptive_rounds_by_budget"] = {str(budget): count for budget, count in chosen.items()}
+                    row["adaptive_rounds_by_budget"] = chosen
                 checked = checked_by_budget(before, after)
                 if checked:  # and what it expected of them against what they did
-                    row["adaptive_checked"] = {str(budget): figures for budget, figures in checked.items()}
+                    row["adaptive_checked"] = checked
                 # Requests it had decode plainly, from their start or midway: drafting did not pay at their batch.
                 for key, requests_told in (
                         ("adaptive_plain_admissions", after.plain_admissions - before.plain_admissions),

@@ -149,8 +149,8 @@ class VerifierMetrics:
                                   "The tree budget adaptive speculation chose for the last round (0: plain)",
                                   registry=r)
         self.rounds_by_budget = Counter("treeserve_verifier_rounds_by_budget",
-                                        "Rounds by the tree budget adaptive speculation chose (0: plain)", ["budget"],
-                                        registry=r)
+                                        "Rounds by the tree budget adaptive speculation chose (0: plain; lookup-N: "
+                                        "prompt lookup's trees alone)", ["budget"], registry=r)
         self.plain_admissions = Counter(
             "treeserve_verifier_plain_admissions", "Requests that asked for trees and decode plainly: adaptive "
             "speculation found drafting does not pay at the batch they joined", registry=r)
@@ -224,12 +224,12 @@ class RoundTotals:
     """A verifier's round counters at one moment, from one scrape of its Prometheus metrics."""
 
     phases: dict[str, tuple[float, float]]  # phase -> (seconds, rounds) so far, `treeserve_round_seconds`
-    budgets: dict[int, float]  # adaptive speculation: rounds so far by chosen budget (empty without it)
+    budgets: dict[str, float]  # adaptive speculation: rounds so far by its choice's label (empty without it)
     plain_admissions: float = 0.0  # adaptive speculation: requests that asked for trees and decode plainly
     drafting_stopped: float = 0.0  # adaptive speculation: requests that stopped drafting mid-stream
-    # adaptive speculation, rounds without a prompt: budget -> {"rounds", "expected_tokens", "realized_tokens",
-    # "expected_s", "realized_s"} so far
-    checked: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+    # adaptive speculation, rounds without a prompt: choice label -> {"rounds", "expected_tokens",
+    # "realized_tokens", "expected_s", "realized_s"} so far
+    checked: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 def round_totals(metrics_address: str) -> RoundTotals:
@@ -240,21 +240,21 @@ def round_totals(metrics_address: str) -> RoundTotals:
     text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5).read().decode()
     sums = dict(re.findall(r'treeserve_round_seconds_sum{phase="(\w+)"} (\S+)', text))
     counts = dict(re.findall(r'treeserve_round_seconds_count{phase="(\w+)"} (\S+)', text))
-    budgets = re.findall(r'treeserve_verifier_rounds_by_budget_total{budget="(\d+)"} (\S+)', text)
+    budgets = re.findall(r'treeserve_verifier_rounds_by_budget_total{budget="([\w-]+)"} (\S+)', text)
 
     def total(name: str) -> float:  # a counter without labels; 0 when the verifier does not have it
         found = re.search(rf"^treeserve_verifier_{name}_total (\S+)", text, re.M)
         return float(found.group(1)) if found else 0.0
 
-    checked: dict[int, dict[str, float]] = {}
-    for budget, count in re.findall(r'treeserve_verifier_checked_rounds_total{budget="(\d+)"} (\S+)', text):
-        checked.setdefault(int(budget), {})["rounds"] = float(count)
+    checked: dict[str, dict[str, float]] = {}
+    for budget, count in re.findall(r'treeserve_verifier_checked_rounds_total{budget="([\w-]+)"} (\S+)', text):
+        checked.setdefault(budget, {})["rounds"] = float(count)
     for what, unit in (("tokens", "tokens"), ("seconds", "s")):
         for budget, kind, value in re.findall(
-                rf'treeserve_verifier_checked_{what}_total{{budget="(\d+)",kind="(\w+)"}} (\S+)', text):
-            checked.setdefault(int(budget), {})[f"{kind}_{unit}"] = float(value)
+                rf'treeserve_verifier_checked_{what}_total{{budget="([\w-]+)",kind="(\w+)"}} (\S+)', text):
+            checked.setdefault(budget, {})[f"{kind}_{unit}"] = float(value)
     return RoundTotals({phase: (float(sums[phase]), float(counts[phase])) for phase in sums},
-                       {int(budget): float(count) for budget, count in budgets},
+                       {budget: float(count) for budget, count in budgets},
                        total("plain_admissions"), total("drafting_stopped"), checked)
 
 
@@ -268,17 +268,24 @@ def round_phase_means(before: RoundTotals, after: RoundTotals) -> dict[str, floa
     return means
 
 
-def rounds_by_budget(before: RoundTotals, after: RoundTotals) -> dict[int, int]:
-    """Rounds between two snapshots by the budget adaptive speculation chose (those it chose at least once)."""
+def choice_order(label: str) -> tuple[bool, int]:
+    """Choice labels in order: the drafter's own budgets by size (0: plain), then lookup's."""
+    lookup = label.startswith("lookup-")
+    return lookup, int(label.removeprefix("lookup-"))
+
+
+def rounds_by_budget(before: RoundTotals, after: RoundTotals) -> dict[str, int]:
+    """Rounds between two snapshots by the choice adaptive speculation made (those it made at least once), by its
+    label (`Choice.label`: the budget, `lookup-` before it for prompt lookup's trees alone)."""
     counts = {budget: int(count - before.budgets.get(budget, 0.0)) for budget, count in after.budgets.items()}
-    return {budget: count for budget, count in sorted(counts.items()) if count}
+    return {budget: counts[budget] for budget in sorted(counts, key=choice_order) if counts[budget]}
 
 
-def checked_by_budget(before: RoundTotals, after: RoundTotals) -> dict[int, dict[str, float]]:
-    """Adaptive speculation's rounds without a prompt between two snapshots, by the budget chosen: how many, and
+def checked_by_budget(before: RoundTotals, after: RoundTotals) -> dict[str, dict[str, float]]:
+    """Adaptive speculation's rounds without a prompt between two snapshots, by the choice's label: how many, and
     per round the tokens and milliseconds it expected of them and what they emitted and took."""
     found = {}
-    for budget, totals in sorted(after.checked.items()):
+    for budget, totals in sorted(after.checked.items(), key=lambda item: choice_order(item[0])):
         earlier = before.checked.get(budget, {})
         change = {key: value - earlier.get(key, 0.0) for key, value in totals.items()}
         rounds = change.get("rounds", 0.0)

@@ -17,6 +17,9 @@ from treeserve.errors import TreeserveError
 class DraftTree:
     tokens: list[int]
     parents: list[int]
+    # A merged drafter's tree: its first `lookup_nodes` drafted nodes (1..lookup_nodes) are prompt lookup's chain,
+    # so what lookup alone would have accepted can be read off the accepted path. None: not such a tree.
+    lookup_nodes: int | None = None
 
     @staticmethod
     def chain(tokens: list[int]) -> "DraftTree":
@@ -68,7 +71,9 @@ class DraftTree:
                 new_index[i] = len(tokens)
                 tokens.append(self.tokens[i])
                 parents.append(new_index[self.parents[i]] if i else -1)
-        return DraftTree(tokens, parents)
+        # The chain's node d sits at depth d, ahead of every other node: it keeps its place.
+        lookup_nodes = None if self.lookup_nodes is None else min(self.lookup_nodes, max_depth)
+        return DraftTree(tokens, parents, lookup_nodes)
 
 
 @functools.lru_cache(maxsize=1024)  # at most 17 MB of 129-node masks

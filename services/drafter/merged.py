@@ -4,10 +4,17 @@ Prompt lookup (n-gram) is right for long stretches where an answer copies its pr
 nothing elsewhere; DFlash drafts new text. Each round the merged tree takes the n-gram drafter's best continuation
 as a chain (at most half the budget, so DFlash always keeps the other half), then the best DFlash tree of the
 budget left, merged in as a trie: a DFlash node that repeats the chain's prefix is the chain's node, so its
-subtree hangs from the chain. Where lookup finds nothing, the whole budget is DFlash's.
+subtree hangs from the chain. Where lookup finds nothing, the whole budget is DFlash's. The tree says how long its
+chain is (`DraftTree.lookup_nodes`), so the verifier learns what lookup alone would have accepted.
+
+A round may also ask for prompt lookup's tree alone (`propose_lookup`): no DFlash forward, for rounds where its
+cost would not pay (a larger batch). The DFlash context takes the round's tokens and features all the same,
+written with its next block forward.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from treeserve.drafter.ngram import NgramDrafter
 from treeserve.tree import DraftTree, TokenContext
@@ -47,6 +54,10 @@ class MergedDrafter:
         trees = self.dflash.propose([c.dflash for c in contexts], [b - len(c) for b, c in zip(budgets, chains)])
         return [merge(context.tokens[-1], chain, tree) for context, chain, tree in zip(contexts, chains, trees)]
 
+    def propose_lookup(self, contexts: list[MergedContext], budgets: list[int]) -> list[DraftTree]:
+        """Prompt lookup's own trees (its continuations as a trie of the whole budget), without DFlash."""
+        return self.ngram.propose([context.lookup for context in contexts], budgets)
+
     def lookup_chain(self, context: MergedContext, budget: int) -> list[int]:
         """The n-gram drafter's best continuation, at most half the budget (none at budget 1: DFlash's own
         first guess is the better single token)."""
@@ -59,7 +70,7 @@ def merge(root: int, chain: list[int], tree: DraftTree) -> DraftTree:
     can only repeat a node of the chain (no two of its own nodes share parent and token): the one whose parent
     lies on the chain at depth d and whose token is the chain's next, chain[d]."""
     if not chain:
-        return tree
+        return dataclasses.replace(tree, lookup_nodes=0)
     tokens, parents = [root, *chain], list(range(-1, len(chain)))
     merged_of = [0]  # tree node -> merged node
     chain_depth = [0]  # tree node -> its depth on the chain, or -1 off it
@@ -73,4 +84,4 @@ def merge(root: int, chain: list[int], tree: DraftTree) -> DraftTree:
             chain_depth.append(-1)
             tokens.append(token)
             parents.append(merged_of[parent])
-    return DraftTree(tokens, parents)
+    return DraftTree(tokens, parents, lookup_nodes=len(chain))

@@ -20,7 +20,7 @@ from opentelemetry import trace
 from treeserve import framing, serving
 from treeserve.errors import TreeserveError
 from treeserve.telemetry import DrafterMetrics, Tracing
-from treeserve.tree import MAX_BUDGET, DraftContext, Drafter, DraftPoolFull
+from treeserve.tree import MAX_BUDGET, DraftContext, Drafter, DraftPoolFull, DraftTree
 from treeserve.v1 import drafter_pb2, drafter_pb2_grpc
 from treeserve.wire import features_from_proto
 
@@ -65,7 +65,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is still loading")
         return drafter_pb2.DrafterServiceGetInfoResponse(kind=self.drafter.name, max_budget=self.max_budget,
                                                          feature_layer_ids=self.drafter.feature_layer_ids,
-                                                         draft_socket=self.frame_socket)
+                                                         draft_socket=self.frame_socket,
+                                                         lookup_trees=self.lookup_trees)
+
+    @property
+    def lookup_trees(self) -> bool:
+        """Whether the drafter also drafts by prompt lookup alone (a merged drafter: `propose_lookup`)."""
+        return hasattr(self.drafter, "propose_lookup")
 
     async def Draft(self, request_iterator, context):
         if self.drafter is None:
@@ -184,7 +190,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if not asking:
             return []
         spans = self.start_spans([item for item, _ in asking])
-        trees = self.drafter.propose([context for _, context in asking], [item.budget for item, _ in asking])
+        trees = self.propose(asking)
         self.metrics.trees.inc(len(trees))
         self.metrics.tree_nodes.inc(sum(tree.size - 1 for tree in trees))
         replies = []
@@ -195,8 +201,20 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                     "treeserve.context_tokens": len(context.tokens), "treeserve.batch_size": len(asking)})
                 spans[item.request_id].end()
             replies.append(drafter_pb2.DraftTree(request_id=item.request_id, token_ids=tree.tokens,
-                                                 parents=tree.parents))
+                                                 parents=tree.parents, lookup_nodes=tree.lookup_nodes or 0))
         return replies
+
+    def propose(self, asking: list[tuple[drafter_pb2.DraftItem, DraftContext]]) -> list[DraftTree]:
+        """The items' trees, in order: the drafter's own, or prompt lookup's alone for those that ask for it."""
+        trees: list[DraftTree | None] = [None] * len(asking)
+        for lookup_only in (False, True):
+            chosen = [i for i, (item, _) in enumerate(asking) if item.lookup_only == lookup_only]
+            if chosen:
+                propose = self.drafter.propose_lookup if lookup_only else self.drafter.propose
+                found = propose([asking[i][1] for i in chosen], [asking[i][0].budget for i in chosen])
+                for i, tree in zip(chosen, found):
+                    trees[i] = tree
+        return trees
 
     def start_spans(self, items: list[drafter_pb2.DraftItem]) -> dict[str, trace.Span]:
         """A drafter.propose span per item whose verifier sent a trace context (the batch shares its timing)."""
@@ -221,6 +239,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if item.budget > self.max_budget:
             raise TreeserveError(f"request {item.request_id!r}: budget {item.budget} is above this drafter's "
                                  f"maximum {self.max_budget}")
+        if item.lookup_only and not self.lookup_trees:
+            raise TreeserveError(f"request {item.request_id!r} asks for prompt lookup's tree alone, which the "
+                                 f"{self.drafter.name} drafter does not draft")
         if item.request_id in dropped:
             return None  # its tokens and features are ignored until it finishes
         if not item.finished and not item.new_token_ids and item.request_id not in contexts:

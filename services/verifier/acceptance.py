@@ -26,3 +26,15 @@ def walk_tree(tree: DraftTree, choices: list[int]) -> tuple[list[int], list[int]
         if node < 0:
             return kept, emitted
         kept.append(node)
+
+
+def chain_accepted(kept: list[int], chain_nodes: int | None) -> int | None:
+    """How far the accepted path `kept` (walk_tree's) followed a tree's leading chain, nodes 1..chain_nodes each
+    the child of the one before (a merged tree's lookup chain): what that chain alone would have accepted, since
+    no two children of a node hold the same token. None for a tree without such a chain."""
+    if chain_nodes is None:
+        return None
+    accepted = 0
+    while accepted < chain_nodes and accepted + 1 < len(kept) and kept[accepted + 1] == accepted + 1:
+        accepted += 1
+    return accepted

@@ -16,6 +16,13 @@ speculating request drafts min(T, its own budget), and
 plain decoding (T = 0) kept unless the best tree promises MARGIN times its tokens a second. c(batch) scales the
 acceptance model by what speculative rounds at that batch bucket really drafted over what it expected of them.
 
+A drafter that also drafts by prompt lookup alone (the merged drafter: `DrafterLink.lookup_trees`) offers each
+budget twice: its own tree, or lookup's, which costs no model forward and so can pay at batches where the
+drafter's own does not (a larger batch on text that copies its prompt). Lookup's acceptance is a model of its own,
+learnt from its rounds and from how far the accepted paths of the drafter's own trees followed their lookup chains
+(`RequestReport.lookup_accepted`); its draft costs are timed apart, its verifications cost what any tree of their
+size costs.
+
 Plain decoding stays a candidate in every round, so where verification turns compute-bound (large batches),
 speculation switches itself off rather than costing throughput. Since acceptance is learnt only from trees, a tree
 is tried again now and then (`Exploration`), and a lone request drafts its first tree whatever the requests before
@@ -127,13 +134,15 @@ class CostModel:
     few). Plain rounds are measured first at each batch bucket: they are the yardstick. Until a tree bucket has a
     few rounds, its cost is the nearest settled bucket's plus the difference between their CUDA graphs, timed at
     start-up; without graph timings, at most what the nearest smaller bucket measured, so that a larger tree is
-    tried before it is judged."""
+    tried before it is judged. A verification costs what its tree's size costs, whoever drafted it; the drafter's
+    round trips are timed apart for its own trees and for prompt lookup's alone (`lookup`)."""
 
     def __init__(self):
         # batch bucket -> tree bucket -> seconds
         self.verify_s: dict[int, dict[int, RecentCost]] = {}
-        self.draft_s: dict[int, dict[int, RecentCost]] = {}
-        self.catch_up_s: dict[int, RecentCost] = {}  # batch bucket -> drafter round trips that caught up
+        self.draft_s: dict[bool, dict[int, dict[int, RecentCost]]] = {False: {}, True: {}}  # lookup -> as above
+        # lookup -> batch bucket -> drafter round trips that caught up
+        self.catch_up_s: dict[bool, dict[int, RecentCost]] = {False: {}, True: {}}
         self.graph_s: dict[int, dict[int, float]] = {}  # each captured graph's replay alone, timed at start-up
 
     @staticmethod
@@ -150,33 +159,35 @@ class CostModel:
         round (staging, picking, committing), so it prices the difference between tree sizes, not a round."""
         self.graph_s.setdefault(batch_bucket(batch), {})[tree_bucket(nodes)] = seconds
 
-    def observe_draft(self, batch: int, budget: int, seconds: float, catch_up: bool = False) -> None:
-        """A drafter round trip for `batch` requests at round budget `budget`. One that caught a request's context
-        up (`catch_up`: its prompt, or the rounds it decoded plainly) prices the next try, not a steady round: at
-        one request a catch-up costs a DFlash drafter several steady rounds, and judging trees by it would keep
-        them from ever being played."""
+    def observe_draft(self, batch: int, budget: int, seconds: float, catch_up: bool = False,
+                      lookup: bool = False) -> None:
+        """A drafter round trip for `batch` requests at round budget `budget` (`lookup`: for prompt lookup's trees
+        alone). One that caught a request's context up (`catch_up`: its prompt, or the rounds it decoded plainly)
+        prices the next try, not a steady round: at one request a catch-up costs a DFlash drafter several steady
+        rounds, and judging trees by it would keep them from ever being played."""
         if catch_up:
-            self.catch_up_s.setdefault(batch_bucket(batch), RecentCost()).add(seconds)
+            self.catch_up_s[lookup].setdefault(batch_bucket(batch), RecentCost()).add(seconds)
         else:
-            self._add(self.draft_s, batch, budget + 1, seconds)
+            self._add(self.draft_s[lookup], batch, budget + 1, seconds)
 
-    def catch_up_extra(self, batch: int, budget: int) -> float:
+    def catch_up_extra(self, batch: int, budget: int, lookup: bool = False) -> float:
         """What a try's drafter round trip costs beyond a steady one at this batch and budget (0 when unknown)."""
         bucket = batch_bucket(batch)
-        caught_up = self.catch_up_s.get(bucket)
+        caught_up = self.catch_up_s[lookup].get(bucket)
         if caught_up is None:
             return 0.0
-        return max(0.0, caught_up.value - self._draft_estimate(bucket, tree_bucket(budget + 1)))
+        return max(0.0, caught_up.value - self._draft_estimate(bucket, tree_bucket(budget + 1), lookup))
 
-    def round_seconds(self, batch: int, budget: int) -> float | None:
-        """Estimated time of one round of `batch` requests at round budget `budget`; None when unknown."""
+    def round_seconds(self, batch: int, budget: int, lookup: bool = False) -> float | None:
+        """Estimated time of one round of `batch` requests at round budget `budget` (`lookup`: prompt lookup's trees
+        alone); None when unknown."""
         batch = batch_bucket(batch)
         verify = self._verify_estimate(batch, tree_bucket(budget + 1))
         if verify is None:
             return None
         if budget == 0:
             return verify
-        return verify + self._draft_estimate(batch, tree_bucket(budget + 1))
+        return verify + self._draft_estimate(batch, tree_bucket(budget + 1), lookup)
 
     def plain_settled(self, batch: int) -> bool:
         plain = self.verify_s.get(batch_bucket(batch), {}).get(tree_bucket(1))
@@ -217,18 +228,19 @@ class CostModel:
             return row[nearest].value + graphs[bucket] - graphs[nearest]
         return self._estimate(self.verify_s, batch, bucket)
 
-    def _draft_estimate(self, batch: int, bucket: int) -> float:
+    def _draft_estimate(self, batch: int, bucket: int, lookup: bool = False) -> float:
         """The drafter's cost for this batch and tree bucket. A batch size whose drafts were never timed takes
         the figure of the nearest batch size that was (the smaller on a tie), not zero: the batch changes as
         requests come and go, and a draft assumed free would make each new batch size try trees whatever they
         cost. A smaller batch's figure is scaled up to this one: a try after plain rounds sends every request's
         context since its last draft, which grows with the batch. Zero only before any draft was timed."""
-        own = self._estimate(self.draft_s, batch, bucket)
+        table = self.draft_s[lookup]
+        own = self._estimate(table, batch, bucket)
         if own is not None:
             return own
-        others = sorted(self.draft_s, key=lambda size: (abs(math.log2(size / batch)), size))
+        others = sorted(table, key=lambda size: (abs(math.log2(size / batch)), size))
         return next((cost * max(1.0, batch / size) for size in others
-                     if (cost := self._estimate(self.draft_s, size, bucket)) is not None), 0.0)
+                     if (cost := self._estimate(table, size, bucket)) is not None), 0.0)
 
 
 class AcceptanceModel:
@@ -389,6 +401,8 @@ class AdaptiveSpeculation:
     # the all-request slope, and is tried again where that pays. A request that has just missed a few times says
     # little about the stretch it will be in a few rounds on.
     PLAIN_AGING = 0.5
+    # Prompt lookup's prior slope, as a share of the drafter's own: lookup proposes nothing on new text.
+    LOOKUP_PRIOR = 0.5
 
     def __init__(self, min_budget: int = 0, max_budget: int = MAX_BUDGET, prior_slope: float = 0.5,
                  decay: float = 0.05, explore_every: int = 32, give_up_after_s: float = 1.0):
@@ -397,32 +411,41 @@ class AdaptiveSpeculation:
                              f"{min_budget}..{max_budget}")
         self.min_budget, self.max_budget = min_budget, max_budget
         self.costs = CostModel()
-        self.acceptance = AcceptanceModel(prior_slope, decay)
+        self.acceptance = AcceptanceModel(prior_slope, decay)  # the drafter's own trees
+        # Prompt lookup's trees alone, where a drafter offers them: learnt from those rounds, and from how far the
+        # accepted paths of its own trees followed their lookup chains.
+        self.lookup_acceptance = AcceptanceModel(prior_slope * self.LOOKUP_PRIOR, decay)
         self.exploration = Exploration(explore_every)
         self.give_up = GiveUp(give_up_after_s)
         self.tried: set[str] = set()  # requests that were given a tree budget (a tree may have come back empty)
-        self.plain_signature: tuple | None = None  # (batch, speculating requests, largest budget) of a plain choice
+        # (batch, speculating requests, largest budget, lookup offered) of a plain choice
+        self.plain_signature: tuple | None = None
         self.plain_round_s = 0.0  # the estimated plain round of that choice
         self.reused = 0
 
     # ----------------------------------------------------------------------------------- the policy interface
 
-    def round_budgets(self, asked: dict[str, int], batch: int) -> tuple[dict[str, int], Choice | None]:
+    def round_budgets(self, asked: dict[str, int], batch: int, lookup: bool = False
+                      ) -> tuple[dict[str, int], Choice | None]:
         if not asked:
             return {}, None
-        choice = self.choose(asked, batch)
+        choice = self.choose(asked, batch, lookup)
         return {request_id: min(choice.budget, own) for request_id, own in asked.items() if choice.budget > 0}, choice
 
     def observe(self, report: RoundReport) -> tuple[int, float] | None:
         """Learn from a round: its trees' acceptance, its drafters' and its verification's costs, and what its
         trees drafted beside what the choice expected. Returns (batch bucket, realized over expected drafted
-        tokens) when that was checked."""
+        tokens) when that was checked on the drafter's own trees."""
+        model = self.lookup_acceptance if report.lookup else self.acceptance
         for request in report.requests:
-            self.acceptance.observe(request.request_id, request.tree_nodes, request.committed)
+            model.observe(request.request_id, request.tree_nodes, request.committed)
+            if request.lookup_accepted is not None:  # an own tree's lookup chain, of at most half its budget
+                self.lookup_acceptance.observe(request.request_id, report.budgets.get(request.request_id, 0) // 2,
+                                               request.lookup_accepted + 1)
         trips = [found.round_trip_s for found in report.drafts if found.trees]
         if report.budgets and trips:
             self.costs.observe_draft(report.batch, max(report.budgets.values()), max(trips),
-                                     catch_up=any(found.catch_up for found in report.drafts))
+                                     catch_up=any(found.catch_up for found in report.drafts), lookup=report.lookup)
         if report.forward_batch and not report.with_prompts:
             # The whole round less its wait on drafters: everything a tree adds to the host's work (plans,
             # staging, the acceptance walk, the messages) as well as the forward. A drafter that failed is waited
@@ -432,7 +455,8 @@ class AdaptiveSpeculation:
         if choice is None or choice.expected_drafted is None or not report.drafted:
             return None
         realized = max(0, report.tokens - len(report.requests))
-        return batch_bucket(report.batch), self.acceptance.calibrate(report.batch, realized, choice.expected_drafted)
+        factor = model.calibrate(report.batch, realized, choice.expected_drafted)
+        return None if report.lookup else (batch_bucket(report.batch), factor)
 
     def admits_drafting(self, batch: int) -> bool:
         return self.give_up.admits_drafting(batch)
@@ -442,81 +466,96 @@ class AdaptiveSpeculation:
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
+        self.lookup_acceptance.forget(request_id)
         self.tried.discard(request_id)
 
     # --------------------------------------------------------------------------------------------- the choice
 
-    def choose(self, asked: dict[str, int], batch: int) -> Choice:
+    def choose(self, asked: dict[str, int], batch: int, lookup: bool = False) -> Choice:
         """The round budget for the speculating requests (`asked`: request id -> its own budget, not empty) in a
-        batch of `batch` requests (the rest decode plainly: one token each)."""
+        batch of `batch` requests (the rest decode plainly: one token each); with `lookup`, the drafters also
+        draft by prompt lookup alone, and the choice may ask for that."""
         # A lone request's first tree is its own try: at one request a try costs no one else's time, and the
         # requests before it say little of how its trees will do (one copies its prompt, the next writes anew).
         first_try = batch == 1 and any(request_id not in self.tried and request_id not in self.acceptance.slopes
                                        for request_id in asked)
-        choice = self._choose(asked, batch, first_try)
+        choice = self._choose(asked, batch, first_try, lookup)
         if choice.budget == 0:  # a plain round: what the requests' trees did ages
             self.acceptance.age(asked, self.PLAIN_AGING)
+            self.lookup_acceptance.age(asked, self.PLAIN_AGING)
         else:
             self.tried.update(asked)
+            if choice.lookup:  # nor does a round of lookup's trees observe the drafter's own
+                self.acceptance.age(asked, self.PLAIN_AGING)
         return choice
 
-    def _choose(self, asked: dict[str, int], batch: int, first_try: bool = False) -> Choice:
+    def _choose(self, asked: dict[str, int], batch: int, first_try: bool = False, lookup: bool = False) -> Choice:
         most = min(self.max_budget, max(asked.values()))
-        signature = (batch, len(asked), most)
+        signature = (batch, len(asked), most, lookup)
         if (signature == self.plain_signature and self.reused < self.REUSE_PLAIN and not first_try
                 and not self.exploration.due(1, self.plain_round_s)):
             self.reused += 1  # (never in place of a try)
             self.exploration.plain(self.plain_round_s)
             return Choice(0, (float(batch), self.plain_round_s))
         reused, self.plain_signature, self.reused = self.reused, None, 0
-        candidates = [step for step in (0,) + BUDGET_STEPS if self.min_budget <= step <= most]
-        if not candidates:
-            candidates = [min(self.min_budget, most)]
-        if 0 in candidates and not self.costs.plain_settled(batch):
+        steps = [step for step in (0,) + BUDGET_STEPS if self.min_budget <= step <= most]
+        if not steps:
+            steps = [min(self.min_budget, most)]
+        if 0 in steps and not self.costs.plain_settled(batch):
             # Plain rounds are what trees are judged against: measured first. Priced by a tree's cost instead, as
             # an unmeasured bucket with only larger ones measured is, plain decoding could never win a round.
             return Choice(0)
-        overall = self.acceptance.overall_slope()
-        slopes = [(self.acceptance.slope(request_id, overall), own) for request_id, own in asked.items()]
-        rates, seconds, drafted, factor = {}, {}, {}, self.acceptance.calibration_factor(batch)
-        for step in candidates:
-            seconds[step] = self.costs.round_seconds(batch, step)
-            if seconds[step] is None:  # nothing measured at this batch size yet: speculate as asked, and learn
-                return Choice(most)
-            drafted[step] = sum(tokens_per_round(slope, min(step, own)) - 1 for slope, own in slopes) if step else 0.0
-            rates[step] = (batch + factor * drafted[step]) / max(seconds[step], 1e-9)
-        best = max(rates, key=lambda step: (rates[step], -step))  # ties: the smaller tree
-        if 0 in rates:
-            if rates[best] < self.MARGIN * rates[0]:
-                best = 0
+        # Each candidate is (lookup's trees alone, budget); plain decoding is (False, 0).
+        rates, seconds, drafted, gained = {}, {}, {}, {}
+        for source in (False, True) if lookup else (False,):
+            model = self.lookup_acceptance if source else self.acceptance
+            overall = model.overall_slope()
+            slopes = [(model.slope(request_id, overall), own) for request_id, own in asked.items()]
+            factor = model.calibration_factor(batch)
+            for step in steps:
+                if source and step == 0:
+                    continue
+                key = (source, step)
+                seconds[key] = self.costs.round_seconds(batch, step, source)
+                if seconds[key] is None:  # nothing measured at this batch size yet: speculate as asked, and learn
+                    return Choice(most)
+                drafted[key] = sum(tokens_per_round(slope, min(step, own)) - 1 for slope, own in slopes) if step else 0.0
+                gained[key] = factor * drafted[key]
+                rates[key] = (batch + gained[key]) / max(seconds[key], 1e-9)
+        best = max(rates, key=lambda key: (rates[key], -key[1]))  # ties: the smaller tree
+        plain = (False, 0)
+        if plain in rates:
+            if rates[best] < self.MARGIN * rates[plain]:
+                best = plain
             # Would drafting pay were every request drafting, as the drafting ones do?
             everyone = batch / len(asked)
-            pays = any((batch + factor * drafted[step] * everyone) / seconds[step] > self.MARGIN * rates[0]
-                       for step in rates if step > 0)
-            self.give_up.note(batch, None if pays else seconds[0] * (1 + reused))
+            pays = any((batch + gained[key] * everyone) / seconds[key] > self.MARGIN * rates[plain]
+                       for key in rates if key[1] > 0)
+            self.give_up.note(batch, None if pays else seconds[plain] * (1 + reused))
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("adaptive: batch %d, mean slope %.2f, realized over expected drafts %.2f, expected tokens/s "
-                      "by budget %s", batch, statistics.fmean(slope for slope, _ in slopes), factor,
-                      {step: round(rate, 1) for step, rate in rates.items()})
+            log.debug("adaptive: batch %d, expected tokens/s by (lookup, budget) %s", batch,
+                      {key: round(rate, 1) for key, rate in rates.items()})
         best = self._explore(best, rates, seconds, batch, first_try)
-        if best == 0:
-            self.plain_signature, self.plain_round_s = signature, seconds[0]
-        expected = (batch + factor * drafted[best], seconds[best])
-        return Choice(best, expected, drafted[best] if best > 0 else None)
+        if best[1] == 0:
+            self.plain_signature, self.plain_round_s = signature, seconds[plain]
+        return Choice(best[1], (batch + gained[best], seconds[best]), drafted[best] if best[1] > 0 else None,
+                      lookup=best[0])
 
-    def _explore(self, best: int, rates: dict[int, float], seconds: dict[int, float], batch: int,
-                 first_try: bool = False) -> int:
-        """The budget to play: `best`, or the best tree, tried: as a request's `first_try`, or after enough plain
-        rounds (its drafter round trip catches every request up)."""
-        if best > 0:
+    def _explore(self, best: tuple[bool, int], rates: dict, seconds: dict, batch: int, first_try: bool = False
+                 ) -> tuple[bool, int]:
+        """The (lookup, budget) to play: `best`, or a tree tried: as a request's `first_try` the drafter's own best
+        (which teaches both models: its lookup chain too), or after enough plain rounds the best tree (its drafter
+        round trip catches every request up)."""
+        tries = [key for key in rates if key[1] > 0]
+        own = [key for key in tries if not key[0]]
+        if first_try and own and best not in own:  # not an exploration: it neither waits for one nor backs them off
+            return max(own, key=lambda key: rates[key])
+        if best[1] > 0:
             self.exploration.paid()
             return best
-        tries = [step for step in rates if step > 0]
-        if first_try and tries:  # not an exploration: it neither waits for one nor backs them off
-            return max(tries, key=lambda step: rates[step])
-        self.exploration.plain(seconds[0])
+        self.exploration.plain(seconds[best])
         if not tries:
             return best
-        trial = max(tries, key=lambda step: rates[step])
-        extra_s = seconds[trial] - seconds[0] + self.costs.catch_up_extra(batch, trial)
+        trial = max(tries, key=lambda key: rates[key])
+        extra_s = seconds[trial] - seconds[best] + self.costs.catch_up_extra(batch, trial[1], trial[0])
         return trial if self.exploration.try_now(extra_s) else best

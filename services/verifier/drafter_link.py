@@ -131,6 +131,7 @@ class DrafterLink:
         self.call = None  # the Draft stream while up
         self.kind, self.max_budget = "", 0
         self.feature_layer_ids: tuple[int, ...] = ()  # target layers whose hidden states the drafter needs
+        self.lookup_trees = False  # whether it also drafts by prompt lookup alone (lookup_only rounds)
         self.sent: dict[str, int] = {}  # request id -> tokens of its context this stream has seen
         self.to_drop: set[str] = set()  # finished or cancelled requests the drafter should forget
         self.round = 0
@@ -148,6 +149,7 @@ class DrafterLink:
             info = await self.stub.GetInfo(drafter_pb2.DrafterServiceGetInfoRequest(), timeout=self.timeout_s)
             self.kind, self.max_budget = info.kind, info.max_budget
             self.feature_layer_ids = tuple(info.feature_layer_ids)
+            self.lookup_trees = info.lookup_trees
             self.call = await self._open_stream(info.draft_socket)
             self.sent.clear()
             self.backoff_s = 0.1
@@ -173,17 +175,18 @@ class DrafterLink:
             self.to_drop.add(request_id)
 
     async def draft(self, requests: dict, trace_contexts: dict[str, dict[str, str]],
-                    budgets: dict[str, int] | None = None) -> DraftRound:
+                    budgets: dict[str, int] | None = None, lookup_only: bool = False) -> DraftRound:
         """requests: request id -> its Generation (committed tokens and budget); trace_contexts: request id ->
         W3C headers of its round span (empty when tracing is off); budgets: this round's tree budget per request
-        (default: each request's own). Only tokens this stream has not seen travel.
+        (default: each request's own); lookup_only: prompt lookup's trees alone (a drafter with lookup_trees).
+        Only tokens this stream has not seen travel.
         Returns the trees the drafter proposed; none when the link is down or fails this round (those requests
         then decode plainly)."""
         if not self.up:
             return DraftRound({})
         catch_up = any(catches_up(self.sent.get(request_id), generation)
                        for request_id, generation in requests.items())
-        messages = self._messages(requests, trace_contexts, budgets or {})
+        messages = self._messages(requests, trace_contexts, budgets or {}, lookup_only)
         started = time.perf_counter()
         trees, propose_s, replies = {}, 0.0, []
         try:
@@ -191,14 +194,19 @@ class DrafterLink:
                 await self.call.write(message)
             for message in messages:
                 reply = await self._reply_to(message)
-                trees.update((tree.request_id, DraftTree(list(tree.token_ids), list(tree.parents)))
-                             for tree in reply.trees)
+                trees.update((tree.request_id, self._tree(tree, lookup_only)) for tree in reply.trees)
                 propose_s += reply.propose_seconds
                 replies.append(reply)
         except STREAM_FAILURES as error:
             self._down(f"round failed: {describe(error)}")
             return DraftRound({}, round_trip_s=time.perf_counter() - started)  # the wait is the round's all the same
         return DraftRound(trees, propose_s, time.perf_counter() - started, messages, replies, catch_up)
+
+    def _tree(self, tree: drafter_pb2.DraftTree, lookup_only: bool) -> DraftTree:
+        """A reply's tree. The own trees of a drafter that drafts by lookup alone too (merged) say how long their
+        lookup chain is, 0 included."""
+        chain = tree.lookup_nodes if self.lookup_trees and not lookup_only else None
+        return DraftTree(list(tree.token_ids), list(tree.parents), chain)
 
     async def send_drops(self) -> None:
         """Tell the drafter now which requests ended, on a message of their own, rather than with this link's
@@ -226,8 +234,8 @@ class DrafterLink:
             message.items.add(request_id=request_id, finished=True)
         self.to_drop.clear()
 
-    def _messages(self, requests: dict, trace_contexts: dict[str, dict[str, str]], budgets: dict[str, int]
-                  ) -> list[drafter_pb2.DraftRequest]:
+    def _messages(self, requests: dict, trace_contexts: dict[str, dict[str, str]], budgets: dict[str, int],
+                  lookup_only: bool = False) -> list[drafter_pb2.DraftRequest]:
         """This round's Draft messages: one, unless the features to send exceed MESSAGE_FEATURE_BYTES. Then the
         requests' contexts are cut into pieces, and the messages carry every request's first piece, then every
         second piece, and so on (as many messages for each as the bytes need): a request's pieces arrive in order,
@@ -257,7 +265,7 @@ class DrafterLink:
                     carried = 0
                 carried += piece.feature_bytes
                 item = messages[-1].items.add(request_id=piece.request_id, new_token_ids=piece.token_ids,
-                                              budget=piece.budget)
+                                              budget=piece.budget, lookup_only=lookup_only and piece.budget > 0)
                 if piece.budget:
                     item.trace_context.update(trace_contexts.get(piece.request_id, {}))
                 if piece.features is not None:  # the rows of every token that entered the KV cache since

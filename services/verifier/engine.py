@@ -23,7 +23,7 @@ from treeserve.params import GenerationParams
 from treeserve.sampling import pick_tokens, random_seed, sampling_setting
 from treeserve.tokenizer import Tokenizer
 from treeserve.tree import MAX_BUDGET, DraftPoolFull, DraftTree, Drafter
-from treeserve.verifier.acceptance import walk_tree
+from treeserve.verifier.acceptance import chain_accepted, walk_tree
 from treeserve.verifier.graphs import TreeVerifier, causal_mask
 from treeserve.verifier.rows import Rows, gather, is_run, run_index, select_rows
 
@@ -460,6 +460,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.rounds = self.round_tokens = self.drafted_tokens = 0
         self.last_accepted = 0  # drafted tokens the last round accepted (before a stop cut)
+        self.last_lookup_accepted: int | None = None  # of them, its tree's lookup chain's (DraftTree.lookup_nodes)
         self.started = time.perf_counter()
         self.prefill_s = self.elapsed_s = 0.0
 
@@ -523,6 +524,7 @@ class Generation:
         else:
             kept, emitted = walk_tree(plan.tree, choices)
             self.last_accepted = len(kept) - 1  # kept holds the root plus the accepted nodes
+            self.last_lookup_accepted = chain_accepted(kept, plan.tree.lookup_nodes)
             committed = self._commit(emitted)
             self.rounds += 1
             self.round_tokens += len(committed)

@@ -51,13 +51,20 @@ class Running:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """A policy's tree budget for one round (0: plain decoding, no drafter call) and what it expects of it."""
+    """A policy's tree budget for one round (0: plain decoding, no drafter call), whether the trees are prompt
+    lookup's alone (`lookup`: from a drafter with DrafterLink.lookup_trees), and what it expects of it."""
 
     budget: int
     expected: tuple[float, float] | None = None  # (tokens, seconds) of the round; None: no estimate to go by
     # The tokens beyond one a request that the round's trees are expected to add, checked against what they add
     # (AdaptiveSpeculation.observe); None where the choice made no such estimate.
     expected_drafted: float | None = None
+    lookup: bool = False
+
+    @property
+    def label(self) -> str:
+        """The choice in the metrics: its budget, `lookup-` before it for lookup's trees."""
+        return f"lookup-{self.budget}" if self.lookup else str(self.budget)
 
 
 @dataclasses.dataclass
@@ -69,6 +76,9 @@ class RequestReport:
     prompt_tokens: int = 0  # > 0: the round prefilled this many (and verified no tree)
     tree_nodes: int = 0  # drafted nodes verified, root excluded (0: a plain step, or a prefill)
     accepted: int = 0  # the depth of the accepted path among them
+    # Of them, along its tree's lookup chain: what prompt lookup alone would have accepted (a merged drafter's
+    # own tree; None otherwise).
+    lookup_accepted: int | None = None
     finish_reason: str | None = None  # set once the request has finished
 
 
@@ -94,6 +104,11 @@ class RoundReport:
         return sum(request.committed for request in self.requests)
 
     @property
+    def lookup(self) -> bool:
+        """Whether its trees were prompt lookup's alone."""
+        return self.choice is not None and self.choice.lookup
+
+    @property
     def drafted(self) -> bool:
         """Whether any tree reached the forward (a drafter that was down says nothing of what trees earn)."""
         return any(request.tree_nodes for request in self.requests)
@@ -111,9 +126,11 @@ class RoundReport:
 class Speculation(Protocol):
     """How much a round drafts, and what the policy learns from each round."""
 
-    def round_budgets(self, asked: dict[str, int], batch: int) -> tuple[dict[str, int], Choice | None]:
+    def round_budgets(self, asked: dict[str, int], batch: int, lookup: bool = False
+                      ) -> tuple[dict[str, int], Choice | None]:
         """This round's tree budget per request (`asked`: each request that can draft, its own budget), leaving
-        out those that decode plainly this round; and the choice made, if any."""
+        out those that decode plainly this round; and the choice made, if any. `lookup`: whether the drafters can
+        also draft by prompt lookup alone (the choice may then ask for that)."""
 
     def observe(self, report: RoundReport) -> tuple[int, float] | None:
         """Learn from a round; where it checked its model, (batch bucket, realized over expected tokens)."""
@@ -129,9 +146,10 @@ class Speculation(Protocol):
 
 
 class FixedSpeculation:
-    """Every request that can draft asks for its own budget in every round."""
+    """Every request that can draft asks for its own budget in every round, its drafter's own tree."""
 
-    def round_budgets(self, asked: dict[str, int], batch: int) -> tuple[dict[str, int], Choice | None]:
+    def round_budgets(self, asked: dict[str, int], batch: int, lookup: bool = False
+                      ) -> tuple[dict[str, int], Choice | None]:
         return asked, None
 
     def observe(self, report: RoundReport) -> tuple[int, float] | None:
@@ -229,8 +247,9 @@ async def speculative_round(running: dict[str, Running], speculation: Speculatio
     # Drafts: the policy's budget for each request that can draft, one batched round trip per drafter.
     asking = {request_id: entry for request_id, entry in running.items() if entry.asks_for_a_tree}
     budgets, choice = speculation.round_budgets(
-        {request_id: entry.generation.budget for request_id, entry in asking.items()}, batch)
-    drafts = await draft(asking, budgets, trace_contexts, runner.feature_backlog)
+        {request_id: entry.generation.budget for request_id, entry in asking.items()}, batch,
+        bool(asking) and all(entry.link.lookup_trees for entry in asking.values()))
+    drafts = await draft(asking, budgets, trace_contexts, runner.feature_backlog, choice is not None and choice.lookup)
     trees = {request_id: tree for found in drafts for request_id, tree in found.trees.items()}
     drafted = time.perf_counter()
     report = RoundReport(batch, choice, budgets, drafts, draft_s=drafted - started)
@@ -267,9 +286,9 @@ async def speculative_round(running: dict[str, Running], speculation: Speculatio
 
 
 async def draft(asking: dict[str, Running], budgets: dict[str, int], trace_contexts: dict[str, dict[str, str]],
-                backlog: FeatureBacklog) -> list[DraftRound]:
-    """The trees of the requests given budgets, one batched round trip per drafter; the drafters first get every
-    feature row up to now."""
+                backlog: FeatureBacklog, lookup_only: bool = False) -> list[DraftRound]:
+    """The trees of the requests given budgets (prompt lookup's alone with `lookup_only`), one batched round trip
+    per drafter; the drafters first get every feature row up to now."""
     if not budgets:
         return []
     backlog.flush()
@@ -277,7 +296,7 @@ async def draft(asking: dict[str, Running], budgets: dict[str, int], trace_conte
     for request_id in budgets:
         entry = asking[request_id]
         by_link.setdefault(entry.link, {})[request_id] = entry.generation
-    return list(await asyncio.gather(*(link.draft(requests, trace_contexts, budgets)
+    return list(await asyncio.gather(*(link.draft(requests, trace_contexts, budgets, lookup_only)
                                        for link, requests in by_link.items())))
 
 
@@ -295,7 +314,8 @@ def request_report(request_id: str, plan: ForwardPlan, generation: Generation, c
         return RequestReport(request_id, len(committed), prompt_tokens=len(plan.tokens),
                              finish_reason=generation.finish_reason)
     return RequestReport(request_id, len(committed), tree_nodes=plan.tree.size - 1,
-                         accepted=generation.last_accepted, finish_reason=generation.finish_reason)
+                         accepted=generation.last_accepted, finish_reason=generation.finish_reason,
+                         lookup_accepted=generation.last_lookup_accepted if plan.tree.size > 1 else None)
 
 
 def final_message(generation: Generation) -> verifier_pb2.VerifierServiceGenerateResponse:

@@ -260,7 +260,7 @@ class Scheduler:
         metrics = self.metrics
         if report.choice is not None:
             metrics.round_budget.set(report.choice.budget)
-            metrics.rounds_by_budget.labels(budget=str(report.choice.budget)).inc()
+            metrics.rounds_by_budget.labels(budget=report.choice.label).inc()
         for found in report.drafts:
             if found.trees:
                 metrics.phase_seconds["draft"].observe(found.propose_s)
@@ -287,7 +287,7 @@ class Scheduler:
         if report.choice is None or report.choice.expected is None:
             return
         expected_tokens, expected_s = report.choice.expected
-        label = str(report.choice.budget)
+        label = report.choice.label
         self.metrics.checked_rounds.labels(budget=label).inc()
         self.metrics.checked_tokens.labels(budget=label, kind="expected").inc(expected_tokens)
         self.metrics.checked_tokens.labels(budget=label, kind="realized").inc(report.tokens)
