@@ -287,6 +287,34 @@ def test_rope_equals_reference(n, heads, head_dim, dtype):
                                atol=tolerance, rtol=tolerance)
 
 
+DDTREE_CASES = [(shape, values, torch.bfloat16 if values == "ties" else torch.float32)
+                for shape in [(1, 3, 2), (2, 2, 5), (3, 5, 13), (7, 8, 16)]
+                for values in ("continuous", "ties", "ties and -inf")]
+DDTREE_CASES.append(((15, 16, 16), "ties and -inf", torch.bfloat16))  # the drafter's shape at its narrowest width
+
+
+@pytest.mark.parametrize("shape, values, dtype", DDTREE_CASES)
+def test_ddtree_search_equals_reference(shape, values, dtype):
+    """The DDTree search as one launch gives ddtree_select's packed trees and node log-probs exactly, ties included
+    (few distinct values make them everywhere; -inf scores tie too), for every budget from 0 to the width."""
+    from treeserve.drafter.trees import ddtree_select, ddtree_select_kernel
+
+    depth, top_k, keep = shape
+    g = torch.Generator().manual_seed(depth * 100 + keep)
+    batch = 4
+    log_probs = torch.randn(batch, depth, top_k, generator=g) * 2 - 3
+    if values != "continuous":
+        log_probs = -torch.randint(0, 3, log_probs.shape, generator=g).float() / 2
+    if values == "ties and -inf":
+        log_probs[:, :, top_k // 2:] = float("-inf")
+    log_probs = log_probs.sort(dim=-1, descending=True).values.to(dtype).to(DEVICE)
+    token_ids = torch.randint(0, 50_000, log_probs.shape, generator=g).to(DEVICE)
+    budgets = torch.tensor([keep, 0, keep // 2, max(1, keep - 1)], device=DEVICE)
+    want = ddtree_select(log_probs, token_ids, budgets, keep)
+    got = ddtree_select_kernel(log_probs, token_ids, budgets, keep)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # ------------------------------------------------------------------------------- a model over the paged cache
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["references", "kernels"])

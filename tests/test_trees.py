@@ -267,7 +267,7 @@ def test_ddtree_over_wide_top_k_lists_is_the_best_tree():
 @pytest.mark.parametrize("values", ["continuous", "ties", "float32 ties and -inf"])
 def test_a_search_at_any_width_from_the_largest_budget_gives_the_widest_searchs_trees(values):
     """The DFlash drafter searches each round at the narrowest of its widths that holds the round's largest
-    budget, from the widest's top-k lists: every width w >= the budgets gives the widest's trees and node
+    budget, from each position's top w tokens: every width w >= the budgets gives the widest's trees and node
     log-probs exactly, ties included (few distinct values make them everywhere, and -inf scores tie too)."""
     generator = torch.Generator().manual_seed(len(values))
     batch, depth, top_k, widest = 6, 5, 24, 48
@@ -286,3 +286,7 @@ def test_a_search_at_any_width_from_the_largest_budget_gives_the_widest_searchs_
             packed, node_log_probs = ddtree_select(log_probs, token_ids, budgets, width)
             assert unpack_trees(roots.tolist(), packed.tolist()) == unpack_trees(roots.tolist(), want_packed.tolist())
             assert torch.equal(node_log_probs, want_log_probs[:, :width])
+            # ... also from each position's top `width` tokens alone, as the drafter keeps them for that width.
+            short = min(width, top_k)
+            cut_packed, cut_log_probs = ddtree_select(log_probs[..., :short], token_ids[..., :short], budgets, width)
+            assert torch.equal(cut_packed, packed) and torch.equal(cut_log_probs, node_log_probs)

@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treeserve.drafter.trees import ddtree_select, possible_nodes, search_plan, unpack_trees
+from treeserve.drafter.trees import (ddtree_select, ddtree_select_kernel, kernel_tables, possible_nodes, search_plan,
+                                     unpack_trees)
 from treeserve.errors import TreeserveError
 from treeserve.loading.hf_folder import config_from_hf, read_json, safetensors_reader
 from treeserve.loading.weights import checkpoint_state, fill_parameters
@@ -340,7 +341,8 @@ class DFlashDrafter:
         self.kernels = device.type == "cuda"
         # A chain is the DDTree of each position's top token. A tree of at most max_budget nodes needs each
         # position's top max_budget tokens (trees.py says why), and holds at most every possible node. Each
-        # round searches at the narrowest width that holds its largest budget, from the same top_k lists.
+        # round searches at the narrowest width that holds its largest budget, from each position's top `width`
+        # tokens (top_k at most): a search `width` wide needs no more.
         self.top_k = 1 if tree == "chain" else min(max_budget, embedding.shape[0])
         self.tree_width = min(max_budget, possible_nodes(cfg.block_size - 1, self.top_k))
         self.tree_widths = tree_widths(self.tree_width)
@@ -384,7 +386,11 @@ class DFlashDrafter:
         into the block graphs' memory pool (a round replays one after the other, never both at once)."""
         block, device = self.model.config.block_size, self.model.device
         self.search_graphs.clear()
-        self.search_plans = [search_plan(block - 1, self.top_k, width, device) for width in self.tree_widths]
+        self.search_plans = [search_plan(block - 1, min(width, self.top_k), width, device)
+                             for width in self.tree_widths]
+        if self.kernels:
+            self.search_plans += [kernel_tables(block - 1, min(width, self.top_k), width, device)
+                                  for width in self.tree_widths]
         with cycle_collection_paused():
             for batch, rows in sorted(self.runner.graphs, reverse=True):
                 log_probs = self.runner.graphs[(batch, rows)].outputs[0].view(batch, rows, -1)
@@ -459,10 +465,12 @@ class DFlashDrafter:
 
     def _search(self, log_probs: torch.Tensor, width: int) -> tuple[torch.Tensor]:
         """Each request's tree from its block log-probabilities (B, block_size, vocab), packed as
-        trees.ddtree_select packs it, searched `width` wide: the work the search graphs capture."""
+        trees.ddtree_select packs it, searched `width` wide: the work the search graphs capture. On a GPU the
+        search is one Triton launch (treeserve.kernels.ddtree_search), the same trees."""
         drafted = log_probs[:, 1:]  # the positions after each root
-        top = drafted.topk(self.top_k, dim=-1)
-        packed, _ = ddtree_select(top.values, top.indices, self.inputs.budgets[:log_probs.shape[0]], width)
+        top = drafted.topk(min(width, self.top_k), dim=-1)
+        search = ddtree_select_kernel if self.kernels else ddtree_select
+        packed, _ = search(top.values, top.indices, self.inputs.budgets[:log_probs.shape[0]], width)
         return (packed,)
 
     def row_log_probs(self, rows: TreeRows) -> torch.Tensor:

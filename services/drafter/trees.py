@@ -17,13 +17,13 @@ rank i, choice k) with (i + 1)(k + 1) <= M: every pair (i' <= i, k' <= k) ranks 
 than M of them cannot be among the best M. That is about M ln M candidates a depth instead of M * M.
 
 The search is fixed-shape tensor work for a given (batch, D, K, M) (ddtree_select), so the DFlash drafter
-replays it from CUDA graphs, with the budgets as an input.
+replays it from CUDA graphs, with the budgets as an input; on a GPU as one Triton launch (ddtree_select_kernel).
 
 Ties: a shallower node ranks before a deeper one of equal score (so a parent always before its child), and
 within a depth the order is (parent's rank, choice index): elder siblings first.
 
 Every width M from the largest budget up gives the same trees, ties included, so the DFlash drafter searches each
-round at the narrowest of a few widths that holds its largest budget (the lists keep the widest's K). Within a
+round at the narrowest of a few widths that holds its largest budget, from each position's top M tokens. Within a
 depth the order above is total, and the M nodes a search keeps at a depth are the first M of it over all that
 depth's nodes (by induction on depth): such a node has fewer than M nodes ahead of it, while its (i + 1)(k + 1) - 1
 pairs (i' <= i, k' <= k) all are (no lower scores, as a float sum rounds monotonically, and earlier in (parent
@@ -129,6 +129,27 @@ def ddtree_select(log_probs: torch.Tensor, token_ids: torch.Tensor, budgets: tor
     counts = chosen.sum(dim=1, keepdim=True)
     packed = torch.cat([counts, compact(tokens), compact(parents)], dim=1)
     return packed, compact(log_probs.reshape(batch, -1).gather(1, cell))
+
+
+def ddtree_select_kernel(log_probs: torch.Tensor, token_ids: torch.Tensor, budgets: torch.Tensor, keep: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ddtree_select as one Triton launch, one program per request (treeserve.kernels.ddtree_search): the same
+    results, bit for bit; on a GPU, a fraction of the many small kernels of the search in PyTorch."""
+    from treeserve.kernels.ddtree_search import ddtree_search  # Triton: only where the kernel runs
+
+    batch, depth, top_k = log_probs.shape
+    return ddtree_search(log_probs, token_ids, budgets, keep, kernel_tables(depth, top_k, keep, log_probs.device))
+
+
+@functools.lru_cache(maxsize=64)
+def kernel_tables(depth: int, top_k: int, keep: int, device: torch.device):
+    """The kernel's tables of a search of this shape, made once (a graph that replays the kernel reads them: its
+    owner keeps them alive, whatever the cache lets go of)."""
+    from treeserve.kernels.ddtree_search import kernel_plan
+
+    pairs = [(ranks.tolist(), choices.tolist())
+             for ranks, choices in search_plan(depth, top_k, keep, torch.device("cpu")).pairs]
+    return kernel_plan(pairs, keep, torch.device(device))
 
 
 @dataclasses.dataclass(frozen=True)
