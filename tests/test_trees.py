@@ -286,3 +286,69 @@ def test_a_search_at_any_width_from_the_largest_budget_gives_the_widest_searchs_
             packed, node_log_probs = ddtree_select(log_probs, token_ids, budgets, width)
             assert unpack_trees(roots.tolist(), packed.tolist()) == unpack_trees(roots.tolist(), want_packed.tolist())
             assert torch.equal(node_log_probs, want_log_probs[:, :width])
+
+
+def old_depths(parents):
+    """DraftTree.depths as it was defined: node by node from the parent's."""
+    depths = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depths[i] = depths[parents[i]] + 1
+    return depths
+
+
+def old_ancestor_mask(parents):
+    """DraftTree.ancestor_mask as it was defined: each row the parent's row, plus the node itself."""
+    import numpy as np
+
+    mask = np.eye(len(parents), dtype=bool)
+    for i in range(1, len(parents)):
+        mask[i] |= mask[parents[i]]
+    return mask
+
+
+def outcome(function):
+    """What a call returns, or the type of what it raises."""
+    try:
+        return "returns", function()
+    except Exception as error:  # noqa: BLE001 (any exception: both definitions must raise the same)
+        return "raises", type(error)
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 5, 33, 64, 65, 129])
+def test_depths_positions_and_masks_match_the_node_by_node_definitions(size):
+    """On random trees (parents before children) and on parent lists no drafter may send (a parent after its
+    child, itself, negative, out of range), depths, positions and ancestor masks are what the node-by-node
+    definitions give, or raise as they raise; masks of more than 64 nodes unpack from more than one word."""
+    import random
+
+    import numpy as np
+
+    rng = random.Random(size)
+    for trial in range(300):
+        if trial % 2:
+            parents = [-1] + [rng.randrange(i) for i in range(1, size)]
+        else:
+            parents = [rng.randrange(-size - 2, size + 2) for _ in range(size)]
+        tree = DraftTree(list(range(size)), list(parents))
+        want = outcome(lambda: old_depths(parents))
+        assert outcome(tree.depths) == want, parents
+        if want[0] == "returns":
+            positions = tree.positions(7)
+            assert positions.dtype == np.int64 and positions.tolist() == [7 + d for d in want[1]]
+            assert tree.positions(0) is not tree.positions(0)  # a new array each time: a plan may keep it
+        want = outcome(lambda: old_ancestor_mask(parents))
+        got = outcome(lambda: tree.ancestor_mask().numpy())
+        assert got[0] == want[0], parents
+        if want[0] == "returns":
+            assert got[1].shape == want[1].shape and (got[1] == want[1]).all(), parents
+        else:
+            assert got[1] is want[1] is IndexError, parents
+
+
+def test_truncated_trees_keep_depths_and_masks_of_their_own():
+    tree = DraftTree([1, 2, 3, 4, 5, 6], [-1, 0, 1, 2, 0, 4])
+    assert tree.truncated(5) is tree
+    cut = tree.truncated(1)
+    assert cut.parents == [-1, 0, 0] and cut.depths() == [0, 1, 1]
+    assert cut.ancestor_mask().tolist() == old_ancestor_mask(cut.parents).tolist()
+

@@ -503,9 +503,8 @@ class Generation:
                                  f"(root {tree.tokens[0]} vs {root}, {tree.size - 1} nodes for budget {self.budget})")
         # A round emits at most depth + 1 tokens; deeper nodes could never be used.
         tree = tree.truncated(self.params.max_new_tokens - len(self.output_ids) - 1)
-        positions = np.asarray(tree.depths(), dtype=np.int64) + self.cache.length
-        return ForwardPlan(self.cache, tree.tokens, positions, tree.ancestor_mask("cpu"), list(range(tree.size)),
-                           tree)
+        return ForwardPlan(self.cache, tree.tokens, tree.positions(self.cache.length), tree.ancestor_mask("cpu"),
+                           list(range(tree.size)), tree)
 
     def pick_counters(self, plan: ForwardPlan) -> list[int]:
         """Which generated token each of the plan's logits rows decides: the counter of its random draw."""
