@@ -352,3 +352,27 @@ def test_truncated_trees_keep_depths_and_masks_of_their_own():
     assert cut.parents == [-1, 0, 0] and cut.depths() == [0, 1, 1]
     assert cut.ancestor_mask().tolist() == old_ancestor_mask(cut.parents).tolist()
 
+
+def test_walking_a_tree_follows_the_first_child_that_holds_each_choice():
+    """walk_tree against its definition (each node's children listed, the first whose token is the target's
+    choice taken), on random trees whose siblings may repeat a token."""
+    import random
+
+    from treeserve.verifier.acceptance import walk_tree
+
+    def by_children(tree, choices):
+        children = tree.children()
+        node, kept, emitted = 0, [0], []
+        while True:
+            emitted.append(choices[node])
+            node = next((child for child in children[node] if tree.tokens[child] == choices[node]), -1)
+            if node < 0:
+                return kept, emitted
+            kept.append(node)
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        size = rng.randrange(1, 40)
+        tree = DraftTree([rng.randrange(4) for _ in range(size)], [-1] + [rng.randrange(i) for i in range(1, size)])
+        choices = [rng.randrange(4) for _ in range(size)]
+        assert walk_tree(tree, choices) == by_children(tree, choices), (tree, choices)
