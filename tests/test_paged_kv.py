@@ -3,6 +3,7 @@ exactly as the contiguous cache does."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,6 +59,16 @@ def test_slots_follow_the_block_table_within_a_block_and_across_blocks():
         for count in range(len(sequence.blocks) * 4 - start + 1):
             want = [sequence.blocks[p // 4] * 4 + p % 4 for p in range(start, start + count)]
             assert sequence.slots(start, count).tolist() == want, (start, count)
+
+
+def test_slot_arrays_are_the_slots_as_numpy():
+    paged = PagedKVCache(CFG, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu")
+    sequence = paged.sequence()
+    sequence.blocks = [9, 2, 14, 5, 0, 11]
+    for start in range(len(sequence.blocks) * 4):
+        for count in range(len(sequence.blocks) * 4 - start + 1):
+            array = sequence.slot_array(start, count)
+            assert array.dtype == np.int64 and array.tolist() == sequence.slots(start, count).tolist()
 
 
 def test_moves_made_together_end_as_moves_made_one_by_one():

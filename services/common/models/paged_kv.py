@@ -129,14 +129,18 @@ class PagedSequence:
 
     def slots(self, start: int, count: int) -> torch.Tensor:
         """Cache slots (block * block_size + offset) of positions start .. start + count - 1."""
+        return torch.from_numpy(self.slot_array(start, count))
+
+    def slot_array(self, start: int, count: int) -> np.ndarray:
+        """`slots` as int64 NumPy."""
         size = self.cache.block_size
         first, last = start // size, (start + count - 1) // size
         if count > 0 and first == last:  # a tree or an accepted path, mostly: one run of one block's slots,
             base = self.blocks[first] * size + start % size  # several times cheaper than the general way, which
-            return torch.arange(base, base + count)  # was a visible part of a large batch's round of trees
+            return np.arange(base, base + count, dtype=np.int64)  # was a visible part of a large batch's round
         positions = np.arange(start, start + count)
         table = np.asarray(self.blocks[first:last + 1], dtype=np.int64)  # only the blocks the positions span
-        return torch.from_numpy(table[positions // size - first] * size + positions % size)
+        return table[positions // size - first] * size + positions % size
 
     def reserve(self, count: int) -> torch.Tensor:
         """Room for `count` pending rows after the committed ones; returns their slots."""
@@ -172,8 +176,10 @@ class PagedSequence:
         """Commit the pending rows at these indices (ascending) and free the blocks past the new end."""
         count = len(pending_rows)
         if pending_rows != list(range(count)):
-            self.cache.move(self.slots(self.length, max(pending_rows) + 1)[pending_rows],
-                            self.slots(self.length, count))
+            # The pending rows' slots, worked out once in NumPy: the kept rows' are the sources, the first `count`
+            # the targets.
+            pending = self.slot_array(self.length, max(pending_rows) + 1)
+            self.cache.move(torch.from_numpy(pending[pending_rows]), torch.from_numpy(pending[:count]))
         self.length += count
         self._trim()
 
