@@ -74,6 +74,29 @@ def test_staging_into_reused_buffers_equals_staging_anew():
         stage_trees(*small, 2, 5, 41, into=buffers)
 
 
+def test_a_runner_stages_every_forward_as_staging_anew_does():
+    """A runner stages forwards in its two sets of reused buffers, through views of them it keeps per set and
+    size: whatever ran before in either set, each forward gets what staging in new tensors gives."""
+    model = random_target("llama")
+    pool = PagedKVCache(model.config, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
+    seen = []
+
+    def forward(rows):
+        seen.append([tensor.clone() for tensor in (rows.tokens, rows.positions, *rows.paged.tensors())])
+        return (torch.zeros(rows.tokens.shape[0], 1),)
+
+    runner = PagedRunner(pool, forward, max_batch=6, row_buckets=[1, 5, 17], max_length=100)
+    large = requests_in(pool, [9, 30, 5, 12, 7], [16, 3, 8, 1, 16], seed=3)
+    small = requests_in(pool, [2, 22], [4, 2], seed=4)
+    plain = requests_in(pool, [3, 6, 1], [1, 1, 1], seed=5)
+    for requests in (large, small, small, plain, large, small, plain, plain, large):
+        batch, rows = len(requests[0]), max(map(len, requests[1]))
+        runner.run(*requests)
+        anew = stage_trees(*requests, batch, rows, runner.table_width)
+        for got, want in zip(seen[-1], [anew.tokens, anew.positions, *anew.paged.tensors()]):
+            assert got.shape == want.shape and torch.equal(got, want)
+
+
 ON_A_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 

@@ -92,15 +92,39 @@ def stage_trees(sequences: list[PagedSequence], tokens: list[list[int]], positio
     if into is not None and into.paged.tables.shape[1] != table_width:
         raise TreeserveError(f"staging buffers of block-table width {into.paged.tables.shape[1]}, not {table_width}")
     staged = padded_rows(batch, rows, table_width) if into is None else into.view(batch, rows)
-    # Filled and padded through NumPy views, which cost a fraction of torch indexing per request; torch's fills of
-    # the reused buffers also cost more between rounds than back to back.
-    tokens_np, positions_np = staged.tokens.numpy().reshape(batch, rows), staged.positions.numpy().reshape(batch, rows)
-    slots_np = staged.paged.slots.numpy().reshape(batch, rows)
-    tables_np, mask_np = staged.paged.tables.numpy(), staged.paged.tree_mask.numpy()
-    prefix_np, counts_np = staged.paged.prefix_lens.numpy(), staged.paged.new_counts.numpy()
-    if into is not None:  # every row padding, as padded_rows makes them
+    _stage_into(StagingView(staged), sequences, tokens, positions, masks, reused=into is not None)
+    return staged
+
+
+class StagingView:
+    """Staged rows of one (batch, rows) and NumPy views of their tensors, which staging writes through: a
+    PagedRunner keeps one per buffer set and bucket, rather than taking views of its buffers in every forward."""
+
+    __slots__ = ("staged", "tokens", "positions", "slots", "tables", "mask", "prefix_lens", "new_counts", "zeroed")
+
+    def __init__(self, staged: TreeRows):
+        # Filled and padded through NumPy views, which cost a fraction of torch indexing per request; torch's fills
+        # of the reused buffers also cost more between rounds than back to back.
+        batch, rows = staged.paged.batch, staged.tokens.shape[0] // staged.paged.batch
+        paged = staged.paged
+        self.staged = staged
+        self.tokens = staged.tokens.numpy().reshape(batch, rows)
+        self.positions = staged.positions.numpy().reshape(batch, rows)
+        self.slots = paged.slots.numpy().reshape(batch, rows)
+        self.tables, self.mask = paged.tables.numpy(), paged.tree_mask.numpy()
+        self.prefix_lens, self.new_counts = paged.prefix_lens.numpy(), paged.new_counts.numpy()
+        self.zeroed = (self.tokens, self.positions, self.tables, self.mask, self.prefix_lens, self.new_counts)
+
+
+def _stage_into(view: StagingView, sequences: list[PagedSequence], tokens: list[list[int]],
+                positions: list[np.ndarray], masks: list[torch.Tensor | np.ndarray], reused: bool) -> None:
+    """stage_trees' work, through `view`'s arrays (`reused`: buffers that may hold an earlier forward's rows)."""
+    slots_np, tables_np, mask_np = view.slots, view.tables, view.mask
+    tokens_np, positions_np, prefix_np, counts_np = view.tokens, view.positions, view.prefix_lens, view.new_counts
+    table_width = tables_np.shape[1]
+    if reused:  # every row padding, as padded_rows makes them
         slots_np.fill(-1)
-        for array in (tokens_np, positions_np, tables_np, mask_np, prefix_np, counts_np):
+        for array in view.zeroed:
             array.fill(0)
     for b, (sequence, tree_tokens, tree_positions, mask) in enumerate(zip(sequences, tokens, positions, masks)):
         n = len(tree_tokens)
@@ -110,14 +134,13 @@ def stage_trees(sequences: list[PagedSequence], tokens: list[list[int]], positio
             mask_np[b, 0, 0] = 1
         else:
             slots_np[b, :n] = sequence.reserve(n).numpy()
-            mask_np[b, :n, :n] = np.asarray(mask)
+            mask_np[b, :n, :n] = mask.numpy() if isinstance(mask, torch.Tensor) else mask
         if len(sequence.blocks) > table_width:
             raise TreeserveError(f"a sequence of {len(sequence.blocks)} blocks exceeds the block table's "
                                  f"{table_width}")
         tables_np[b, :len(sequence.blocks)] = sequence.blocks
         tokens_np[b, :n] = tree_tokens
         positions_np[b, :n] = tree_positions
-    return staged
 
 
 @dataclasses.dataclass
@@ -166,6 +189,7 @@ class PagedRunner:
     # (a prompt's next piece) is staged while the copies of the one before are still queued behind that one's
     # own predecessor. With one set, the host waited for those copies.
     STAGING_BUFFERS = 2
+    STAGING_VIEWS = 1024  # StagingViews kept at most
 
     def __init__(self, pool: PagedKVCache, forward, max_batch: int, row_buckets: list[int], max_length: int,
                  graphs: bool = False, request_outputs: int = 0):
@@ -191,6 +215,11 @@ class PagedRunner:
         self.staging_copied = ([torch.cuda.Event() for _ in range(self.STAGING_BUFFERS)]
                                if self.device.type == "cuda" else None)
         self.staged_in = 0  # the buffers the last forward was staged in
+        # Made once, not per forward: each buffer set's StagingView of a (batch, rows), each bucket's view of the
+        # static inputs, and the bucket each (batch, rows) replays (forgotten when the graphs are captured again).
+        self.staging_views: dict[tuple[int, int, int], StagingView] = {}
+        self.static_views: dict[tuple[int, int], TreeRows] = {}
+        self.buckets_of: dict[tuple[int, int], tuple[int, int] | None] = {}
         # Forwards run, by the bucket whose graph replayed them (None: eagerly), so that tests and benches can tell
         # which way a batch went.
         self.forwards: collections.Counter = collections.Counter()
@@ -212,6 +241,8 @@ class PagedRunner:
         them for real."""
         started = time.perf_counter()
         self.graphs.clear()
+        self.buckets_of.clear()
+        self.static_views.clear()
         self.static = self._allocate_static()
         torch.cuda.synchronize()
         with cycle_collection_paused():
@@ -252,17 +283,25 @@ class PagedRunner:
         if any(sequence.cache is not self.pool for sequence in sequences):
             raise TreeserveError("a sequence from another KV pool")
         batch, rows = len(sequences), max(len(t) for t in tokens)
-        key = self.bucket(batch, rows) if self.use_graphs else None  # None: graphs off, or beyond the maxima
+        key = None  # graphs off, or beyond the maxima
+        if self.use_graphs:
+            key = self.buckets_of.get((batch, rows), ())
+            if key == ():
+                key = self.buckets_of[(batch, rows)] = self.bucket(batch, rows)
         batch, rows = key or (batch, rows)
-        staged = stage_trees(sequences, tokens, positions, masks, batch, rows, self.table_width,
-                             into=self._staging(batch, rows))
+        view = self._staging(batch, rows)
+        if view is None:
+            staged = stage_trees(sequences, tokens, positions, masks, batch, rows, self.table_width)
+        else:
+            _stage_into(view, sequences, tokens, positions, masks, reused=True)
+            staged = view.staged
         if self.on_execute is not None:
             self.on_execute(key, staged)
         return self.execute(key, staged)
 
-    def _staging(self, batch: int, rows: int) -> TreeRows | None:
-        """The host buffers to stage a forward of (batch, rows) in: the next of STAGING_BUFFERS sets, each
-        allocated once at the maxima (page-locked on a GPU) and reused once the copies out of it have finished
+    def _staging(self, batch: int, rows: int) -> StagingView | None:
+        """Where to stage a forward of (batch, rows): a view of the next of STAGING_BUFFERS sets of host buffers,
+        each allocated once at the maxima (page-locked on a GPU) and reused once the copies out of it have finished
         (queued two forwards back: normally long past); None beyond the maxima."""
         if batch > self.max_batch or rows > self.max_rows:
             return None
@@ -272,7 +311,13 @@ class PagedRunner:
         self.staged_in = (self.staged_in + 1) % self.STAGING_BUFFERS
         if self.staging_copied is not None:
             self.staging_copied[self.staged_in].synchronize()
-        return self.staging[self.staged_in]
+        view = self.staging_views.get((self.staged_in, batch, rows))
+        if view is None:
+            if len(self.staging_views) >= self.STAGING_VIEWS:  # eagerly, any (batch, rows) up to the maxima comes
+                self.staging_views.clear()
+            view = self.staging_views[(self.staged_in, batch, rows)] = StagingView(
+                self.staging[self.staged_in].view(batch, rows))
+        return view
 
     @torch.inference_mode()
     def execute(self, key: tuple[int, int] | None, staged: TreeRows) -> tuple[torch.Tensor | None, ...]:
@@ -286,7 +331,10 @@ class PagedRunner:
             self._copied()
             outputs = self.forward(on_device)
         else:
-            self._load(self.static.view(*key), staged)
+            static = self.static_views.get(key)
+            if static is None:
+                static = self.static_views[key] = self.static.view(*key)
+            self._load(static, staged)
             self._copied()
             captured = self.graphs[key]
             captured.graph.replay()
