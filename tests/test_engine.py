@@ -294,3 +294,34 @@ def test_kept_features_of_a_few_requests_among_a_forwards_rows(device):
     backlog.flush()
     for request in (a, b, c):
         assert torch.cat(request.chunks).tolist() == expected[id(request)]
+
+
+def test_kept_features_flushed_every_round_are_each_requests_own_rows():
+    """FeatureBacklog flushed after every round, as drafting rounds flush it: each request's rows of that round
+    (one run, or scattered accepted nodes; in order together, or not), whatever the next round writes."""
+    import random
+
+    from treeserve.verifier.engine import FeatureBacklog, TargetFeatures
+    from treeserve.verifier.rows import Rows
+
+    rng = random.Random(0)
+    requests = [TargetFeatures((0,), keep=True) for _ in range(4)]
+    expected = {id(request): [] for request in requests}
+    backlog = FeatureBacklog()
+    output = torch.empty(4 * 9, 2)
+    for number in range(40):
+        output.copy_(torch.arange(72, dtype=torch.float32).view(36, 2) + 100 * number)
+        kept = []
+        for b, request in enumerate(rng.sample(requests, rng.randrange(1, 5))):
+            if rng.random() < 0.5:
+                index = range(9 * b, 9 * b + rng.randrange(1, 10))
+            else:
+                index = sorted(rng.sample(range(9 * b, 9 * b + 9), rng.randrange(1, 10)))
+            request.last = Rows(output, index)
+            expected[id(request)] += output[list(index)].tolist()
+            kept.append(request)
+        backlog.add(kept)
+        backlog.flush()
+        output.fill_(-1)
+    for request in requests:
+        assert torch.cat(request.chunks).tolist() == expected[id(request)]

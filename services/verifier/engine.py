@@ -196,6 +196,7 @@ class FeatureBacklog:
     transfer it was in."""
 
     FLUSH_ROUNDS, FLUSH_BYTES, JOIN_CHUNKS = 32, 64 << 20, 8
+    LISTED_ROWS = 512  # rows of one round that _grouped orders as Python lists
 
     def __init__(self):
         self.copies: list[torch.Tensor] = []  # each round's copied rows, one run of each source's
@@ -283,6 +284,17 @@ class FeatureBacklog:
                 requests.append(features)
             owners.append(ordinal[id(features)])
             indexes.append(index)
+        piled = self.copies[0] if len(self.copies) == 1 else torch.cat(self.copies)
+        if len(requests) == len(indexes) and sum(map(len, indexes)) <= self.LISTED_ROWS:
+            # Each request's rows of one round (drafting rounds flush every round), a few: already in order, and
+            # Python lists of them cost less than the NumPy calls that group many rounds' rows.
+            order = [row for index in indexes for row in index]
+            start = order[0] if order else 0
+            if order and order == list(range(start, start + len(order))):
+                grouped = piled[start:start + len(order)]
+            else:
+                grouped = select_rows(piled, np.array(order, dtype=np.int64))
+            return requests, [len(index) for index in indexes], grouped
         owners = np.asarray(owners)
         counts = np.fromiter(map(len, indexes), dtype=np.int64, count=len(indexes))
         # Each request's rows in round order, one request after another.
@@ -292,7 +304,6 @@ class FeatureBacklog:
             order = run_index(starts[by_owner], counts[by_owner])
         else:
             order = np.concatenate([np.asarray(indexes[i], dtype=np.int64) for i in by_owner])
-        piled = self.copies[0] if len(self.copies) == 1 else torch.cat(self.copies)
         if len(order) and (np.diff(order) == 1).all():
             grouped = piled[order[0]:order[-1] + 1]  # already in order (one request, or each once): no gather
         else:
