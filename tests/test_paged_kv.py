@@ -110,6 +110,22 @@ def test_moves_made_together_end_as_moves_made_one_by_one():
         assert torch.equal(read(pools[0], one_by_one), read(pools[1], together))
 
 
+def test_moves_as_tensors_and_as_slot_lists_together_are_the_same_moves():
+    """PagedSequence.keep moves slot lists; a move of tensors inside the same moves_together joins them."""
+    g = torch.Generator().manual_seed(2)
+    pools = [PagedKVCache(CFG, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu") for _ in range(2)]
+    for pool in pools:
+        pool.data.copy_(torch.randn(pool.data.shape, generator=g))
+    pools[1].data.copy_(pools[0].data)
+    moves = [(torch.tensor([9, 12]), torch.tensor([1, 2])), ([20, 23, 30], [3, 4, 5]), ([17], [6])]
+    for source, target in moves:
+        pools[0].move(torch.as_tensor(source), torch.as_tensor(target))
+    with pools[1].moves_together():
+        for source, target in moves:
+            pools[1].move(source, target)
+    assert torch.equal(pools[0].data, pools[1].data)
+
+
 def test_sequences_share_the_pool_and_a_full_pool_is_a_clear_error():
     paged = PagedKVCache(CFG, num_blocks=5, block_size=8, dtype=torch.float32, device="cpu")
     first, second = paged.sequence(), paged.sequence()

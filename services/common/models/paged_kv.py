@@ -40,6 +40,11 @@ class BlockAllocator:
         self.free_blocks.extend(reversed(blocks))
 
 
+def _slot_tensor(slots: list[int]) -> torch.Tensor:
+    """Slot numbers as an int64 tensor (through NumPy: torch.tensor of a list costs several times more)."""
+    return torch.from_numpy(np.array(slots, dtype=np.int64))
+
+
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str):
@@ -54,13 +59,16 @@ class PagedKVCache:
         self.recorded_moves: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.deferred_moves: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # inside `moves_together`
 
-    def move(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        """Copy the keys and values of every layer at slots `source` to slots `target` (host tensors). On a GPU,
-        thousands of moves go in launches one after another, so no move may read a slot that an earlier one writes:
-        an accepted path moved down to the end of its prefix never does, nor do several requests' paths together."""
+    def move(self, source: torch.Tensor | list[int], target: torch.Tensor | list[int]) -> None:
+        """Copy the keys and values of every layer at slots `source` to slots `target` (host tensors, or lists of
+        slot numbers). On a GPU, thousands of moves go in launches one after another, so no move may read a slot
+        that an earlier one writes: an accepted path moved down to the end of its prefix never does, nor do several
+        requests' paths together."""
         if self.deferred_moves is not None:
             self.deferred_moves.append((source, target))
             return
+        if isinstance(source, list):
+            source, target = _slot_tensor(source), _slot_tensor(target)
         if self.recorded_moves is not None:
             self.recorded_moves.append((source, target))
         slabs = self.slabs
@@ -98,8 +106,12 @@ class PagedKVCache:
             yield
         finally:
             moves, self.deferred_moves = self.deferred_moves, None
-            if moves:
-                self.move(torch.cat([source for source, _ in moves]), torch.cat([target for _, target in moves]))
+            if moves and all(isinstance(source, list) for source, _ in moves):  # slot numbers: one array each
+                self.move([slot for source, _ in moves for slot in source],
+                          [slot for _, target in moves for slot in target])
+            elif moves:
+                self.move(torch.cat([torch.as_tensor(source) for source, _ in moves]),
+                          torch.cat([torch.as_tensor(target) for _, target in moves]))
 
     @staticmethod
     def blocks_that_fit(cfg: ModelConfig, block_size: int, dtype: torch.dtype, free_bytes: int,
@@ -176,12 +188,16 @@ class PagedSequence:
         """Commit the pending rows at these indices (ascending) and free the blocks past the new end."""
         count = len(pending_rows)
         if pending_rows != list(range(count)):
-            # The pending rows' slots, worked out once in NumPy: the kept rows' are the sources, the first `count`
-            # the targets.
-            pending = self.slot_array(self.length, max(pending_rows) + 1)
-            self.cache.move(torch.from_numpy(pending[pending_rows]), torch.from_numpy(pending[:count]))
+            # As lists of slot numbers: for the few rows of an accepted path, Python's arithmetic costs less than
+            # NumPy's or torch's calls, and a round's moves become one array (moves_together).
+            self.cache.move(self._slot_numbers(pending_rows), self._slot_numbers(range(count)))
         self.length += count
         self._trim()
+
+    def _slot_numbers(self, rows) -> list[int]:
+        """The slots of these pending rows (0: the first after the committed ones)."""
+        size, blocks, length = self.cache.block_size, self.blocks, self.length
+        return [blocks[(length + row) // size] * size + (length + row) % size for row in rows]
 
     def _trim(self) -> None:
         used = self.cache.blocks_for(self.length)
