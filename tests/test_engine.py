@@ -325,3 +325,28 @@ def test_kept_features_flushed_every_round_are_each_requests_own_rows():
         output.fill_(-1)
     for request in requests:
         assert torch.cat(request.chunks).tolist() == expected[id(request)]
+
+
+def test_committing_a_round_stops_where_checking_every_token_stops():
+    """Generation._commit against its definition (each token appended, then the stop checks on the output so
+    far, until one ends it), on random rounds with stop tokens, EOS, stop strings and length limits."""
+    model = random_target("llama", vocab_size=VOCAB)
+    tokenizer = word_tokenizer(VOCAB, eos_id=3)
+    rng = random.Random(0)
+    for _ in range(300):
+        params = GenerationParams(max_new_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.3,
+                                  stop_token_ids=tuple(rng.sample(range(VOCAB), rng.randrange(3))),
+                                  stop_strings=("w5 w6",) if rng.random() < 0.2 else ())
+        mine, reference = (Generation(model, tokenizer, [1, 2], params) for _ in range(2))
+        while not mine.finished:
+            tokens = [rng.randrange(8) for _ in range(rng.randint(1, 5))]
+            committed = []
+            for token in tokens:  # the definition
+                reference.output_ids.append(token)
+                committed.append(token)
+                reference.finish_reason = reference.stops.reason(reference.output_ids)
+                if reference.finished:
+                    break
+            assert mine._commit(tokens) == committed
+            assert (mine.output_ids, mine.finish_reason) == (reference.output_ids, reference.finish_reason)
+            assert mine.stops.text_end == reference.stops.text_end

@@ -585,6 +585,14 @@ class Generation:
 
     def _commit(self, tokens: list[int]) -> list[int]:
         """Append tokens one by one, stopping at a stop token, a stop string or the length limit."""
+        if (not self.params.stop_strings and self.stops.ids.isdisjoint(tokens)
+                and len(self.output_ids) + len(tokens) < self.params.max_new_tokens):
+            # None of them can end the output (most rounds): all at once, without checking each (what the checks
+            # would leave: every token, and no finish reason)
+            self.output_ids.extend(tokens)
+            if tokens:
+                self.finish_reason = None
+            return list(tokens)
         committed = []
         for token in tokens:
             self.output_ids.append(token)
