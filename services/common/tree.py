@@ -41,12 +41,16 @@ class DraftTree:
         if bad:
             raise TreeserveError(f"draft tree: token id {bad[0]} outside the vocabulary (size {vocab_size})")
 
+    def shape(self) -> "TreeShape":
+        """What follows from the parents alone (depths, ancestor mask), worked out once per shape."""
+        return _shape(tuple(self.parents))
+
     def depths(self) -> list[int]:
-        return list(_shape(tuple(self.parents)).depths)
+        return list(self.shape().depths)
 
     def positions(self, start: int):
         """Each node's position when the root sits at `start`: start + its depth (int64 NumPy)."""
-        return _shape(tuple(self.parents)).depth_array() + start
+        return self.shape().depth_array() + start
 
     def children(self) -> list[list[int]]:
         children: list[list[int]] = [[] for _ in range(self.size)]
@@ -57,12 +61,12 @@ class DraftTree:
     def ancestor_mask(self, device="cpu"):
         """(N, N) bool: mask[i, j] is True when j is i or one of its ancestors. On the CPU, one tensor per tree
         shape, shared by every tree of that shape: only ever read."""
-        mask = _shape(tuple(self.parents)).mask()
+        mask = self.shape().mask()
         return mask if device == "cpu" else mask.to(device)
 
     def truncated(self, max_depth: int) -> "DraftTree":
         """The nodes at depth <= max_depth (a round never needs to verify more tokens than it may emit)."""
-        depths = _shape(tuple(self.parents)).depths
+        depths = self.shape().depths
         if max(depths) <= max_depth:
             return self
         new_index: dict[int, int] = {}
@@ -77,11 +81,12 @@ class DraftTree:
         return DraftTree(tokens, parents, lookup_nodes)
 
 
-class _Shape:
-    """What follows from a tree's parents alone, worked out in one pass: each node's depth and its ancestors (itself
-    included) as the bits of an integer; the depths as an array and the ancestor mask once asked for."""
+class TreeShape:
+    """What follows from a tree's parents alone, worked out in one pass: each node's depth (and the deepest, `height`)
+    and its ancestors (itself included) as the bits of an integer; the depths as an array and the ancestor mask
+    once asked for. Shared by the trees of one shape: only ever read."""
 
-    __slots__ = ("depths", "ancestors", "_depth_array", "_mask")
+    __slots__ = ("depths", "height", "ancestors", "_depth_array", "_mask")
 
     def __init__(self, parents: tuple[int, ...]):
         # Node by node, as the definitions go (depth[i] = depth[parent] + 1; mask row i = row of the parent, plus
@@ -92,7 +97,7 @@ class _Shape:
             parent = parents[i]
             depths[i] = depths[parent] + 1
             ancestors[i] |= ancestors[parent]
-        self.depths, self.ancestors = tuple(depths), ancestors
+        self.depths, self.height, self.ancestors = tuple(depths), max(depths, default=0), ancestors
         self._depth_array = self._mask = None
 
     def depth_array(self):
@@ -122,11 +127,11 @@ class _Shape:
 
 
 @functools.lru_cache(maxsize=1024)  # at most 17 MB of 129-node masks
-def _shape(parents: tuple[int, ...]) -> _Shape:
-    """The _Shape of trees with these parents. Trees of a few shapes come back round after round (a drafter at
+def _shape(parents: tuple[int, ...]) -> TreeShape:
+    """The TreeShape of trees with these parents. Trees of a few shapes come back round after round (a drafter at
     budget 4 makes few, chains come in one shape a length), while a DDTree tree hardly ever has the shape of
     another: working a shape out must be cheap too."""
-    return _Shape(parents)
+    return TreeShape(parents)
 
 
 # The largest tree a round verifies: the root plus this many drafted nodes.

@@ -513,8 +513,11 @@ class Generation:
             raise TreeserveError(f"the drafter returned a tree that does not fit the request "
                                  f"(root {tree.tokens[0]} vs {root}, {tree.size - 1} nodes for budget {self.budget})")
         # A round emits at most depth + 1 tokens; deeper nodes could never be used.
-        tree = tree.truncated(self.params.max_new_tokens - len(self.output_ids) - 1)
-        return ForwardPlan(self.cache, tree.tokens, tree.positions(self.cache.length), tree.ancestor_mask("cpu"),
+        shape, max_depth = tree.shape(), self.params.max_new_tokens - len(self.output_ids) - 1
+        if shape.height > max_depth:
+            tree = tree.truncated(max_depth)
+            shape = tree.shape()
+        return ForwardPlan(self.cache, tree.tokens, shape.depth_array() + self.cache.length, shape.mask(),
                            list(range(tree.size)), tree)
 
     def pick_counters(self, plan: ForwardPlan) -> list[int]:
