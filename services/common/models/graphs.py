@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import gc
 import time
 
@@ -28,6 +29,19 @@ from treeserve.models.paged_kv import PagedInputs, PagedKVCache, PagedSequence
 
 
 GRAPH_CHOICES = ("auto", "on", "off")  # auto: on with CUDA
+
+
+def in_inference_mode(function):
+    """`function` under torch.inference_mode(), entered only where the caller is not in it already: a forward's
+    host work passes through several such methods (from forward_batch, itself under it), and entering the mode
+    costs as much as some of that work."""
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return function(*args, **kwargs)
+        with torch.inference_mode():
+            return function(*args, **kwargs)
+    return run
 
 
 def graphs_wanted(choice: str, device: torch.device | str) -> bool:
@@ -274,7 +288,7 @@ class PagedRunner:
         fitting = [key for key in self.graphs if key[0] >= batch and key[1] >= rows]
         return min(fitting, default=None)
 
-    @torch.inference_mode()
+    @in_inference_mode
     def run(self, sequences: list[PagedSequence], tokens: list[list[int]], positions: list[np.ndarray],
             masks: list[torch.Tensor | np.ndarray]) -> tuple[torch.Tensor | None, ...]:
         """One forward over every request's new rows (reserved here in its sequence); returns the outputs
@@ -319,7 +333,7 @@ class PagedRunner:
                 self.staging[self.staged_in].view(batch, rows))
         return view
 
-    @torch.inference_mode()
+    @in_inference_mode
     def execute(self, key: tuple[int, int] | None, staged: TreeRows) -> tuple[torch.Tensor | None, ...]:
         """Run staged rows (host tensors): replay the graph of bucket `key`, or eagerly when `key` is None."""
         batch = staged.paged.batch
