@@ -147,7 +147,7 @@ def _stage_into(view: StagingView, sequences: list[PagedSequence], tokens: list[
             slots_np[b, 0] = sequence.reserve_one()
             mask_np[b, 0, 0] = 1
         else:
-            slots_np[b, :n] = sequence.reserve(n).numpy()
+            slots_np[b, :n] = sequence.reserve_array(n)
             mask_np[b, :n, :n] = mask.numpy() if isinstance(mask, torch.Tensor) else mask
         if len(sequence.blocks) > table_width:
             raise TreeserveError(f"a sequence of {len(sequence.blocks)} blocks exceeds the block table's "

@@ -51,6 +51,7 @@ class PagedKVCache:
         if num_blocks < 1 or block_size < 1:
             raise TreeserveError(f"a paged KV cache needs blocks: got {num_blocks} blocks of {block_size} tokens")
         self.block_size = block_size
+        self.block_offsets = np.arange(block_size, dtype=np.int64)  # a slot's offset in its block
         self.data = torch.zeros(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                 dtype=dtype, device=device)
         self.allocator = BlockAllocator(num_blocks)
@@ -150,14 +151,19 @@ class PagedSequence:
         if count > 0 and first == last:  # a tree or an accepted path, mostly: one run of one block's slots,
             base = self.blocks[first] * size + start % size  # several times cheaper than the general way, which
             return np.arange(base, base + count, dtype=np.int64)  # was a visible part of a large batch's round
-        positions = np.arange(start, start + count)
-        table = np.asarray(self.blocks[first:last + 1], dtype=np.int64)  # only the blocks the positions span
-        return table[positions // size - first] * size + positions % size
+        # Every slot of the blocks the positions span (only those), block by block, then the positions' run of them.
+        table = np.asarray(self.blocks[first:last + 1], dtype=np.int64)
+        offset = start % size
+        return (table[:, None] * size + self.cache.block_offsets).ravel()[offset:offset + count]
 
     def reserve(self, count: int) -> torch.Tensor:
         """Room for `count` pending rows after the committed ones; returns their slots."""
+        return torch.from_numpy(self.reserve_array(count))
+
+    def reserve_array(self, count: int) -> np.ndarray:
+        """`reserve`, the slots as int64 NumPy."""
         self._grow(count)
-        return self.slots(self.length, count)
+        return self.slot_array(self.length, count)
 
     def reserve_one(self) -> int:
         """reserve(1), its slot as an integer: a plain step's row, for every request of every plain round."""
