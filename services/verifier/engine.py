@@ -261,7 +261,7 @@ class FeatureBacklog:
             self.copied.record()
         else:
             host = grouped
-        for features, chunk in zip(requests, host.split(totals)):
+        for features, chunk in zip(requests, host.split_with_sizes(totals)):
             chunks = features.chunks
             owned = next((i for i in range(len(chunks), 0, -1) if chunks[i - 1]._base is None), 0)
             if len(chunks) - owned >= self.JOIN_CHUNKS:  # earlier transfers' views: finished, joined
