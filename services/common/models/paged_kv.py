@@ -236,7 +236,9 @@ class PagedInputs:
         return self.tables.shape[0]
 
     def tensors(self) -> list[torch.Tensor | None]:
-        return [getattr(self, field.name) for field in dataclasses.fields(self)]
+        """The fields in their order (named, not looked up through dataclasses.fields: a forward's staging calls
+        this)."""
+        return [self.slots, self.tables, self.prefix_lens, self.new_counts, self.tree_mask]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "PagedInputs":
         return PagedInputs(*(None if t is None else t.to(device, non_blocking=non_blocking)
