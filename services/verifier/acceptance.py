@@ -22,6 +22,8 @@ def walk_tree(tree: DraftTree, choices: list[int]) -> tuple[list[int], list[int]
     while True:
         token = choices[node]
         emitted.append(token)
+        if token not in tokens:  # the bonus token, mostly (and a plain step's): no child holds it
+            return kept, emitted
         # The first child of `node` that holds the token: the first drafted node holding it whose parent is `node`
         # (list.index scans in C; without a list of every node's children, which cost more than the walk).
         child = 0
