@@ -22,7 +22,7 @@ from treeserve.models.paged_kv import PagedAttention, PagedSequence
 from treeserve.params import GenerationParams
 from treeserve.sampling import pick_tokens, random_seed, sampling_setting
 from treeserve.tokenizer import Tokenizer
-from treeserve.tree import MAX_BUDGET, DraftPoolFull, DraftTree, Drafter
+from treeserve.tree import MAX_BUDGET, DraftPoolFull, DraftTree, Drafter, TreeShape
 from treeserve.verifier.acceptance import chain_accepted, walk_tree
 from treeserve.verifier.graphs import TreeVerifier, causal_mask
 from treeserve.verifier.rows import Rows, gather, is_run, run_index, select_rows
@@ -54,14 +54,15 @@ class GenerationResult:
 class ForwardPlan:
     """One request's share of a target forward: tokens at positions, attending to the committed prefix in
     `cache` (contiguous, or the request's sequence in a paged pool) plus, among themselves, what `mask` (N, N)
-    allows, or causal when it is None (a prompt); logits wanted at `logits_rows`. `tree` is None for a prefill.
-    Positions (int64, NumPy: cheaper than a tensor to make and to stage, per request and round) and mask stay on
-    the host: the forward moves a whole batch's at once."""
+    allows (a tree's: its TreeShape, whose ancestor mask the forward's staging unpacks for every tree at once), or
+    causal when it is None (a prompt); logits wanted at `logits_rows`. `tree` is None for a prefill. Positions
+    (int64, NumPy: cheaper than a tensor to make and to stage, per request and round) and mask stay on the host:
+    the forward moves a whole batch's at once."""
 
     cache: KVCache | PagedSequence
     tokens: list[int]
     positions: np.ndarray
-    mask: torch.Tensor | None
+    mask: torch.Tensor | TreeShape | None
     logits_rows: list[int]
     tree: DraftTree | None
 
@@ -143,7 +144,9 @@ def _spans(counts: list[int]) -> list[range]:
 
 
 def _mask(plan: ForwardPlan) -> torch.Tensor:
-    return plan.mask if plan.mask is not None else causal_mask(len(plan.tokens))
+    if plan.mask is None:
+        return causal_mask(len(plan.tokens))
+    return plan.mask.mask() if isinstance(plan.mask, TreeShape) else plan.mask
 
 
 class TargetFeatures:
@@ -517,7 +520,7 @@ class Generation:
         if shape.height > max_depth:
             tree = tree.truncated(max_depth)
             shape = tree.shape()
-        return ForwardPlan(self.cache, tree.tokens, shape.depth_array() + self.cache.length, shape.mask(),
+        return ForwardPlan(self.cache, tree.tokens, shape.depth_array() + self.cache.length, shape,
                            list(range(tree.size)), tree)
 
     def pick_counters(self, plan: ForwardPlan) -> list[int]:

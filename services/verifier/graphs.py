@@ -16,7 +16,7 @@ from treeserve.errors import TreeserveError
 from treeserve.models import DecoderLM
 from treeserve.models.graphs import PagedRunner, TreeRows, buckets_up_to
 from treeserve.models.paged_kv import PagedAttention, PagedInputs, PagedKVCache, PagedSequence
-from treeserve.tree import MAX_BUDGET
+from treeserve.tree import MAX_BUDGET, TreeShape
 from treeserve.verifier.rows import Rows, gather
 from treeserve.verifier.tensor_parallel import agreed_blocks
 
@@ -93,7 +93,7 @@ class TreeVerifier:
         return self.runner.time_graphs()
 
     def verify(self, sequences: list[PagedSequence], tokens: list[list[int]], positions: list[np.ndarray],
-               masks: list[torch.Tensor], feature_layer_ids: tuple[int, ...] = ()
+               masks: list[torch.Tensor | TreeShape], feature_layer_ids: tuple[int, ...] = ()
                ) -> tuple[list[Rows], list[Rows | None]]:
         """One forward of every request's tree; returns each request's logits (its nodes' rows) and features, as
         rows of the forward's outputs (overwritten by the next replay of the same graph)."""

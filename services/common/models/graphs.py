@@ -26,6 +26,7 @@ import torch
 
 from treeserve.errors import TreeserveError
 from treeserve.models.paged_kv import PagedInputs, PagedKVCache, PagedSequence
+from treeserve.tree import TreeShape
 
 
 GRAPH_CHOICES = ("auto", "on", "off")  # auto: on with CUDA
@@ -98,11 +99,12 @@ def padded_rows(batch: int, rows: int, table_width: int, pin: bool = False) -> T
 
 
 def stage_trees(sequences: list[PagedSequence], tokens: list[list[int]], positions: list[np.ndarray],
-                masks: list[torch.Tensor | np.ndarray], batch: int, rows: int, table_width: int,
+                masks: list[torch.Tensor | np.ndarray | TreeShape], batch: int, rows: int, table_width: int,
                 into: TreeRows | None = None) -> TreeRows:
     """Host tensors of one forward: each request's new rows (reserved here in its sequence) with their tokens,
-    positions and mask among themselves, padded to (batch, rows). Staged in new tensors, or `into`: host buffers
-    at least that large (a PagedRunner's, page-locked, allocated once and reused every round)."""
+    positions and mask among themselves (an (N, N) tensor or array, or a tree's TreeShape: its ancestor mask),
+    padded to (batch, rows). Staged in new tensors, or `into`: host buffers at least that large (a PagedRunner's,
+    page-locked, allocated once and reused every round)."""
     if into is not None and into.paged.tables.shape[1] != table_width:
         raise TreeserveError(f"staging buffers of block-table width {into.paged.tables.shape[1]}, not {table_width}")
     staged = padded_rows(batch, rows, table_width) if into is None else into.view(batch, rows)
@@ -131,7 +133,7 @@ class StagingView:
 
 
 def _stage_into(view: StagingView, sequences: list[PagedSequence], tokens: list[list[int]],
-                positions: list[np.ndarray], masks: list[torch.Tensor | np.ndarray], reused: bool) -> None:
+                positions: list[np.ndarray], masks: list[torch.Tensor | np.ndarray | TreeShape], reused: bool) -> None:
     """stage_trees' work, through `view`'s arrays (`reused`: buffers that may hold an earlier forward's rows)."""
     slots_np, tables_np, mask_np = view.slots, view.tables, view.mask
     tokens_np, positions_np, prefix_np, counts_np = view.tokens, view.positions, view.prefix_lens, view.new_counts
@@ -140,6 +142,7 @@ def _stage_into(view: StagingView, sequences: list[PagedSequence], tokens: list[
         slots_np.fill(-1)
         for array in view.zeroed:
             array.fill(0)
+    shapes: list[tuple[int, TreeShape]] = []  # trees whose masks are unpacked from their ancestor bits together
     for b, (sequence, tree_tokens, tree_positions, mask) in enumerate(zip(sequences, tokens, positions, masks)):
         n = len(tree_tokens)
         prefix_np[b], counts_np[b] = sequence.length, n
@@ -148,13 +151,38 @@ def _stage_into(view: StagingView, sequences: list[PagedSequence], tokens: list[
             mask_np[b, 0, 0] = 1
         else:
             slots_np[b, :n] = sequence.reserve_array(n)
-            mask_np[b, :n, :n] = mask.numpy() if isinstance(mask, torch.Tensor) else mask
+            if isinstance(mask, TreeShape):
+                shapes.append((b, mask))
+            else:
+                mask_np[b, :n, :n] = mask.numpy() if isinstance(mask, torch.Tensor) else mask
         if len(sequence.blocks) > table_width:
             raise TreeserveError(f"a sequence of {len(sequence.blocks)} blocks exceeds the block table's "
                                  f"{table_width}")
         tables_np[b, :len(sequence.blocks)] = sequence.blocks
         tokens_np[b, :n] = tree_tokens
         positions_np[b, :n] = tree_positions
+    if shapes:
+        _stage_ancestor_masks(mask_np, shapes)
+
+
+def _stage_ancestor_masks(mask_np: np.ndarray, shapes: list[tuple[int, TreeShape]]) -> None:
+    """The ancestor masks of these trees (request b's TreeShape) into mask_np[b], all in one unpacking of their
+    ancestor bits: each tree's rows padded with empty ones to the largest tree's, whose bits past a tree's size
+    are 0, as padding's are."""
+    requests = [b for b, _ in shapes]
+    width = max(len(shape.ancestors) for _, shape in shapes)
+    rows = [shape.ancestors + [0] * (width - len(shape.ancestors)) for _, shape in shapes]
+    if width <= 64:  # each row's bits in one little-endian 64-bit word
+        words = np.array(rows, dtype="<u8").view(np.uint8).reshape(len(rows), width, 8)
+    else:
+        size = (width + 7) // 8
+        words = np.frombuffer(b"".join([bits.to_bytes(size, "little") for row in rows for bits in row]),
+                              dtype=np.uint8).reshape(len(rows), width, size)
+    masks = np.unpackbits(words, axis=2, count=width, bitorder="little")
+    if requests == list(range(len(requests))):
+        mask_np[:len(requests), :width, :width] = masks
+    else:
+        mask_np[requests, :width, :width] = masks
 
 
 @dataclasses.dataclass
@@ -293,7 +321,7 @@ class PagedRunner:
 
     @in_inference_mode
     def run(self, sequences: list[PagedSequence], tokens: list[list[int]], positions: list[np.ndarray],
-            masks: list[torch.Tensor | np.ndarray]) -> tuple[torch.Tensor | None, ...]:
+            masks: list[torch.Tensor | np.ndarray | TreeShape]) -> tuple[torch.Tensor | None, ...]:
         """One forward over every request's new rows (reserved here in its sequence); returns the outputs
         viewed as (batch, rows, ...), padding included: request b's row i is [b, i] (a per-request output:
         (batch, ...), request b's at [b])."""
