@@ -315,10 +315,11 @@ def outcome(function):
 
 
 @pytest.mark.parametrize("size", [0, 1, 2, 5, 33, 64, 65, 129])
-def test_depths_positions_and_masks_match_the_node_by_node_definitions(size):
+def test_depths_and_masks_match_the_node_by_node_definitions(size):
     """On random trees (parents before children) and on parent lists no drafter may send (a parent after its
-    child, itself, negative, out of range), depths, positions and ancestor masks are what the node-by-node
-    definitions give, or raise as they raise; masks of more than 64 nodes unpack from more than one word."""
+    child, itself, negative, out of range), depths (as a list and as an array) and ancestor masks are what the
+    node-by-node definitions give, or raise as they raise; masks of more than 64 nodes unpack from more than one
+    word."""
     import random
 
     import numpy as np
@@ -333,9 +334,9 @@ def test_depths_positions_and_masks_match_the_node_by_node_definitions(size):
         want = outcome(lambda: old_depths(parents))
         assert outcome(tree.depths) == want, parents
         if want[0] == "returns":
-            positions = tree.positions(7)
-            assert positions.dtype == np.int64 and positions.tolist() == [7 + d for d in want[1]]
-            assert tree.positions(0) is not tree.positions(0)  # a new array each time: a plan may keep it
+            depths = tree.shape().depth_array()
+            assert depths.dtype == np.int64 and depths.tolist() == want[1]
+            assert tree.shape().height == max(want[1], default=0)
         want = outcome(lambda: old_ancestor_mask(parents))
         got = outcome(lambda: tree.ancestor_mask().numpy())
         assert got[0] == want[0], parents

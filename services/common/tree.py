@@ -48,10 +48,6 @@ class DraftTree:
     def depths(self) -> list[int]:
         return list(self.shape().depths)
 
-    def positions(self, start: int):
-        """Each node's position when the root sits at `start`: start + its depth (int64 NumPy)."""
-        return self.shape().depth_array() + start
-
     def children(self) -> list[list[int]]:
         children: list[list[int]] = [[] for _ in range(self.size)]
         for i in range(1, self.size):
