@@ -330,7 +330,7 @@ class PagedRunner:
         batch, rows = len(sequences), max(len(t) for t in tokens)
         key = None  # graphs off, or beyond the maxima
         if self.use_graphs:
-            key = self.buckets_of.get((batch, rows), ())
+            key = self.buckets_of.get((batch, rows), ())  # (): not looked up yet (None is an answer)
             if key == ():
                 key = self.buckets_of[(batch, rows)] = self.bucket(batch, rows)
         batch, rows = key or (batch, rows)

@@ -148,9 +148,11 @@ class PagedSequence:
         """`slots` as int64 NumPy."""
         size = self.cache.block_size
         first, last = start // size, (start + count - 1) // size
-        if count > 0 and first == last:  # a tree or an accepted path, mostly: one run of one block's slots,
-            base = self.blocks[first] * size + start % size  # several times cheaper than the general way, which
-            return np.arange(base, base + count, dtype=np.int64)  # was a visible part of a large batch's round
+        # A tree or an accepted path, mostly: one run of one block's slots, several times cheaper than the general
+        # way, which was a visible part of a large batch's round of trees.
+        if count > 0 and first == last:
+            base = self.blocks[first] * size + start % size
+            return np.arange(base, base + count, dtype=np.int64)
         # Every slot of the blocks the positions span (only those), block by block, then the positions' run of them.
         table = np.asarray(self.blocks[first:last + 1], dtype=np.int64)
         offset = start % size
