@@ -127,6 +127,21 @@ def test_plain_round_on_the_cpu(tmp_path):
     assert report["share_of_in_process"]["in_process"] == 1.0
 
 
+def test_tree_round_on_the_cpu(tmp_path):
+    """The verifier's host work in plain and tree rounds on a tiny target, phase by phase, the device stubbed."""
+    from treeserve.bench.tree_round import PHASES, main
+
+    target = tiny_models.write_hf_folder("qwen3", tmp_path / "model", seed=0)
+    out = tmp_path / "tree-round.json"
+    assert main(["--target", str(target), "--batches", "1,3", "--budgets", "0,8", "--feature-layers", "0,1",
+                 "--context", "8", "--rounds", "4", "--warm-up", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(row["budget"], row["batch"]) for row in report["rows"]] == [(0, 1), (0, 3), (8, 1), (8, 3)]
+    assert all(row["us"][phase] > 0 for row in report["rows"] for phase in ("plan", "forward", "commit", "emit"))
+    assert all(row["us"]["total"] >= max(row["us"][phase] for phase in PHASES) for row in report["rows"])
+    assert report["command"].startswith("python -m treeserve.bench.tree_round --target")
+
+
 @pytest.mark.slow
 def test_service_profile_on_the_cpu(tmp_path):
     """A second of each mode through the three services: tokens, the verifier's phases, and (where py-spy is

@@ -294,3 +294,59 @@ def test_kept_features_of_a_few_requests_among_a_forwards_rows(device):
     backlog.flush()
     for request in (a, b, c):
         assert torch.cat(request.chunks).tolist() == expected[id(request)]
+
+
+def test_kept_features_flushed_every_round_are_each_requests_own_rows():
+    """FeatureBacklog flushed after every round, as drafting rounds flush it: each request's rows of that round
+    (one run, or scattered accepted nodes; in order together, or not), whatever the next round writes."""
+    import random
+
+    from treeserve.verifier.engine import FeatureBacklog, TargetFeatures
+    from treeserve.verifier.rows import Rows
+
+    rng = random.Random(0)
+    requests = [TargetFeatures((0,), keep=True) for _ in range(4)]
+    expected = {id(request): [] for request in requests}
+    backlog = FeatureBacklog()
+    output = torch.empty(4 * 9, 2)
+    for number in range(40):
+        output.copy_(torch.arange(72, dtype=torch.float32).view(36, 2) + 100 * number)
+        kept = []
+        for b, request in enumerate(rng.sample(requests, rng.randrange(1, 5))):
+            if rng.random() < 0.5:
+                index = range(9 * b, 9 * b + rng.randrange(1, 10))
+            else:
+                index = sorted(rng.sample(range(9 * b, 9 * b + 9), rng.randrange(1, 10)))
+            request.last = Rows(output, index)
+            expected[id(request)] += output[list(index)].tolist()
+            kept.append(request)
+        backlog.add(kept)
+        backlog.flush()
+        output.fill_(-1)
+    for request in requests:
+        assert torch.cat(request.chunks).tolist() == expected[id(request)]
+
+
+def test_committing_a_round_stops_where_checking_every_token_stops():
+    """Generation._commit against its definition (each token appended, then the stop checks on the output so
+    far, until one ends it), on random rounds with stop tokens, EOS, stop strings and length limits."""
+    model = random_target("llama", vocab_size=VOCAB)
+    tokenizer = word_tokenizer(VOCAB, eos_id=3)
+    rng = random.Random(0)
+    for _ in range(300):
+        params = GenerationParams(max_new_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.3,
+                                  stop_token_ids=tuple(rng.sample(range(VOCAB), rng.randrange(3))),
+                                  stop_strings=("w5 w6",) if rng.random() < 0.2 else ())
+        mine, reference = (Generation(model, tokenizer, [1, 2], params) for _ in range(2))
+        while not mine.finished:
+            tokens = [rng.randrange(8) for _ in range(rng.randint(1, 5))]
+            committed = []
+            for token in tokens:  # the definition
+                reference.output_ids.append(token)
+                committed.append(token)
+                reference.finish_reason = reference.stops.reason(reference.output_ids)
+                if reference.finished:
+                    break
+            assert mine._commit(tokens) == committed
+            assert (mine.output_ids, mine.finish_reason) == (reference.output_ids, reference.finish_reason)
+            assert mine.stops.text_end == reference.stops.text_end

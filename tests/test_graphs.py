@@ -13,6 +13,7 @@ from random_targets import random_target, requests_in
 from treeserve.errors import TreeserveError
 from treeserve.models.paged_kv import PagedKVCache
 from treeserve.models.graphs import PagedRunner, TreeRows, buckets_up_to, padded_rows, stage_trees
+from treeserve.tree import DraftTree
 from treeserve.verifier.graphs import TREE_BUCKETS, TreeVerifier
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -72,6 +73,50 @@ def test_staging_into_reused_buffers_equals_staging_anew():
     assert reused.tokens.data_ptr() == buffers.tokens.data_ptr()  # staged in the buffers, not beside them
     with pytest.raises(TreeserveError, match="block-table width"):
         stage_trees(*small, 2, 5, 41, into=buffers)
+
+
+def test_a_runner_stages_every_forward_as_staging_anew_does():
+    """A runner stages forwards in its two sets of reused buffers, through views of them it keeps per set and
+    size: whatever ran before in either set, each forward gets what staging in new tensors gives."""
+    model = random_target("llama")
+    pool = PagedKVCache(model.config, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
+    seen = []
+
+    def forward(rows):
+        seen.append([tensor.clone() for tensor in (rows.tokens, rows.positions, *rows.paged.tensors())])
+        return (torch.zeros(rows.tokens.shape[0], 1),)
+
+    runner = PagedRunner(pool, forward, max_batch=6, row_buckets=[1, 5, 17], max_length=100)
+    large = requests_in(pool, [9, 30, 5, 12, 7], [16, 3, 8, 1, 16], seed=3)
+    small = requests_in(pool, [2, 22], [4, 2], seed=4)
+    plain = requests_in(pool, [3, 6, 1], [1, 1, 1], seed=5)
+    for requests in (large, small, small, plain, large, small, plain, plain, large):
+        batch, rows = len(requests[0]), max(map(len, requests[1]))
+        runner.run(*requests)
+        anew = stage_trees(*requests, batch, rows, runner.table_width)
+        for got, want in zip(seen[-1], [anew.tokens, anew.positions, *anew.paged.tensors()]):
+            assert got.shape == want.shape and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("sizes", [[33], [5, 9, 17], [1, 17, 1, 5, 33, 2], [129, 1, 40], [1, 1, 3]])
+def test_trees_staged_from_their_shapes_get_their_ancestor_masks(sizes):
+    """Trees staged with their TreeShapes (the masks unpacked from ancestor bits for all of them at once, rows
+    padded to the largest) get the buffers that staging their ancestor-mask tensors one by one gives, beside plain
+    steps and trees of more than 64 nodes, into buffers a larger forward used before."""
+    model = random_target("llama")
+    pool = PagedKVCache(model.config, num_blocks=800, block_size=4, dtype=torch.float32, device="cpu")
+    sequences, tokens, positions, _ = requests_in(pool, [3] * len(sizes), sizes, seed=len(sizes))
+    rng = random.Random(sum(sizes))
+    trees = [DraftTree(t, [-1] + [rng.randrange(i) for i in range(1, len(t))]) for t in tokens]
+    masks, shapes = [tree.ancestor_mask() for tree in trees], [tree.shape() for tree in trees]
+    buffers = padded_rows(8, 129, 60)
+    stage_trees(*requests_in(pool, [5] * 8, [129] * 8, seed=9), 8, 129, 60, into=buffers)  # dirty buffers
+    rows = max(sizes)
+    want = stage_trees(sequences, tokens, positions, masks, len(sizes) + 1, rows, 60)
+    got = stage_trees(sequences, tokens, positions, shapes, len(sizes) + 1, rows, 60, into=buffers)
+    for mine, theirs in zip([got.tokens, got.positions, *got.paged.tensors()],
+                            [want.tokens, want.positions, *want.paged.tensors()]):
+        assert mine.shape == theirs.shape and torch.equal(mine, theirs)
 
 
 ON_A_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -3,6 +3,7 @@ exactly as the contiguous cache does."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,6 +61,16 @@ def test_slots_follow_the_block_table_within_a_block_and_across_blocks():
             assert sequence.slots(start, count).tolist() == want, (start, count)
 
 
+def test_slot_arrays_are_the_slots_as_numpy():
+    paged = PagedKVCache(CFG, num_blocks=16, block_size=4, dtype=torch.float32, device="cpu")
+    sequence = paged.sequence()
+    sequence.blocks = [9, 2, 14, 5, 0, 11]
+    for start in range(len(sequence.blocks) * 4):
+        for count in range(len(sequence.blocks) * 4 - start + 1):
+            array = sequence.slot_array(start, count)
+            assert array.dtype == np.int64 and array.tolist() == sequence.slots(start, count).tolist()
+
+
 def test_moves_made_together_end_as_moves_made_one_by_one():
     """A round's accepted paths, kept inside `moves_together`, leave every sequence's rows as keeping them one at a
     time does, with one copy; a sequence that finishes in the round (its blocks freed) does not disturb the rest."""
@@ -97,6 +108,22 @@ def test_moves_made_together_end_as_moves_made_one_by_one():
                 pass
     for one_by_one, together in zip(sequences[0][:3], sequences[1][:3]):
         assert torch.equal(read(pools[0], one_by_one), read(pools[1], together))
+
+
+def test_moves_as_tensors_and_as_slot_lists_together_are_the_same_moves():
+    """PagedSequence.keep moves slot lists; a move of tensors inside the same moves_together joins them."""
+    g = torch.Generator().manual_seed(2)
+    pools = [PagedKVCache(CFG, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu") for _ in range(2)]
+    for pool in pools:
+        pool.data.copy_(torch.randn(pool.data.shape, generator=g))
+    pools[1].data.copy_(pools[0].data)
+    moves = [(torch.tensor([9, 12]), torch.tensor([1, 2])), ([20, 23, 30], [3, 4, 5]), ([17], [6])]
+    for source, target in moves:
+        pools[0].move(torch.as_tensor(source), torch.as_tensor(target))
+    with pools[1].moves_together():
+        for source, target in moves:
+            pools[1].move(source, target)
+    assert torch.equal(pools[0].data, pools[1].data)
 
 
 def test_sequences_share_the_pool_and_a_full_pool_is_a_clear_error():

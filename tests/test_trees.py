@@ -290,3 +290,94 @@ def test_a_search_at_any_width_from_the_largest_budget_gives_the_widest_searchs_
             short = min(width, top_k)
             cut_packed, cut_log_probs = ddtree_select(log_probs[..., :short], token_ids[..., :short], budgets, width)
             assert torch.equal(cut_packed, packed) and torch.equal(cut_log_probs, node_log_probs)
+
+
+def old_depths(parents):
+    """DraftTree.depths as it was defined: node by node from the parent's."""
+    depths = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depths[i] = depths[parents[i]] + 1
+    return depths
+
+
+def old_ancestor_mask(parents):
+    """DraftTree.ancestor_mask as it was defined: each row the parent's row, plus the node itself."""
+    import numpy as np
+
+    mask = np.eye(len(parents), dtype=bool)
+    for i in range(1, len(parents)):
+        mask[i] |= mask[parents[i]]
+    return mask
+
+
+def outcome(function):
+    """What a call returns, or the type of what it raises."""
+    try:
+        return "returns", function()
+    except Exception as error:  # noqa: BLE001 (any exception: both definitions must raise the same)
+        return "raises", type(error)
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 5, 33, 64, 65, 129])
+def test_depths_and_masks_match_the_node_by_node_definitions(size):
+    """On random trees (parents before children) and on parent lists no drafter may send (a parent after its
+    child, itself, negative, out of range), depths (as a list and as an array) and ancestor masks are what the
+    node-by-node definitions give, or raise as they raise; masks of more than 64 nodes unpack from more than one
+    word."""
+    import random
+
+    import numpy as np
+
+    rng = random.Random(size)
+    for trial in range(300):
+        if trial % 2:
+            parents = [-1] + [rng.randrange(i) for i in range(1, size)]
+        else:
+            parents = [rng.randrange(-size - 2, size + 2) for _ in range(size)]
+        tree = DraftTree(list(range(size)), list(parents))
+        want = outcome(lambda: old_depths(parents))
+        assert outcome(tree.depths) == want, parents
+        if want[0] == "returns":
+            depths = tree.shape().depth_array()
+            assert depths.dtype == np.int64 and depths.tolist() == want[1]
+            assert tree.shape().height == max(want[1], default=0)
+        want = outcome(lambda: old_ancestor_mask(parents))
+        got = outcome(lambda: tree.ancestor_mask().numpy())
+        assert got[0] == want[0], parents
+        if want[0] == "returns":
+            assert got[1].shape == want[1].shape and (got[1] == want[1]).all(), parents
+        else:
+            assert got[1] is want[1] is IndexError, parents
+
+
+def test_truncated_trees_keep_depths_and_masks_of_their_own():
+    tree = DraftTree([1, 2, 3, 4, 5, 6], [-1, 0, 1, 2, 0, 4])
+    assert tree.truncated(5) is tree
+    cut = tree.truncated(1)
+    assert cut.parents == [-1, 0, 0] and cut.depths() == [0, 1, 1]
+    assert cut.ancestor_mask().tolist() == old_ancestor_mask(cut.parents).tolist()
+
+
+def test_walking_a_tree_follows_the_first_child_that_holds_each_choice():
+    """walk_tree against its definition (each node's children listed, the first whose token is the target's
+    choice taken), on random trees whose siblings may repeat a token."""
+    import random
+
+    from treeserve.verifier.acceptance import walk_tree
+
+    def by_children(tree, choices):
+        children = tree.children()
+        node, kept, emitted = 0, [0], []
+        while True:
+            emitted.append(choices[node])
+            node = next((child for child in children[node] if tree.tokens[child] == choices[node]), -1)
+            if node < 0:
+                return kept, emitted
+            kept.append(node)
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        size = rng.randrange(1, 40)
+        tree = DraftTree([rng.randrange(4) for _ in range(size)], [-1] + [rng.randrange(i) for i in range(1, size)])
+        choices = [rng.randrange(4) for _ in range(size)]
+        assert walk_tree(tree, choices) == by_children(tree, choices), (tree, choices)

@@ -394,3 +394,22 @@ def test_a_ready_service_serves_with_its_startup_objects_frozen(tmp_path):
         assert gc.get_freeze_count() > 10_000  # importing torch alone makes far more objects
     finally:
         gc.unfreeze()  # the tests after this one collect as usual
+
+
+def test_a_drafters_reply_becomes_draft_trees_of_plain_lists():
+    """DrafterLink._tree: a reply's tree, its tokens and parents as lists of ints (what validation, the plan and
+    the walk index), and its lookup chain only where the drafter drafts by lookup and the round asked its own."""
+    import types
+
+    from treeserve.tree import DraftTree
+    from treeserve.v1 import drafter_pb2
+
+    reply = drafter_pb2.DraftResponse()
+    reply.trees.add(request_id="a", token_ids=[7, 3, 9, 4], parents=[-1, 0, 0, 1], lookup_nodes=2)
+    reply = drafter_pb2.DraftResponse.FromString(reply.SerializeToString())
+    merged, ngram = types.SimpleNamespace(lookup_trees=True), types.SimpleNamespace(lookup_trees=False)
+    tree = DrafterLink._tree(merged, reply.trees[0], False)
+    assert tree == DraftTree([7, 3, 9, 4], [-1, 0, 0, 1], 2)
+    assert type(tree.tokens) is list and type(tree.parents) is list and type(tree.parents[0]) is int
+    assert DrafterLink._tree(merged, reply.trees[0], True).lookup_nodes is None
+    assert DrafterLink._tree(ngram, reply.trees[0], False).lookup_nodes is None

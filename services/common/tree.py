@@ -41,11 +41,12 @@ class DraftTree:
         if bad:
             raise TreeserveError(f"draft tree: token id {bad[0]} outside the vocabulary (size {vocab_size})")
 
+    def shape(self) -> "TreeShape":
+        """What follows from the parents alone (depths, ancestor mask), worked out once per shape."""
+        return _shape(tuple(self.parents))
+
     def depths(self) -> list[int]:
-        depths = [0] * self.size
-        for i in range(1, self.size):
-            depths[i] = depths[self.parents[i]] + 1
-        return depths
+        return list(self.shape().depths)
 
     def children(self) -> list[list[int]]:
         children: list[list[int]] = [[] for _ in range(self.size)]
@@ -56,12 +57,12 @@ class DraftTree:
     def ancestor_mask(self, device="cpu"):
         """(N, N) bool: mask[i, j] is True when j is i or one of its ancestors. On the CPU, one tensor per tree
         shape, shared by every tree of that shape: only ever read."""
-        mask = _ancestor_mask(tuple(self.parents))
+        mask = self.shape().mask()
         return mask if device == "cpu" else mask.to(device)
 
     def truncated(self, max_depth: int) -> "DraftTree":
         """The nodes at depth <= max_depth (a round never needs to verify more tokens than it may emit)."""
-        depths = self.depths()
+        depths = self.shape().depths
         if max(depths) <= max_depth:
             return self
         new_index: dict[int, int] = {}
@@ -76,17 +77,57 @@ class DraftTree:
         return DraftTree(tokens, parents, lookup_nodes)
 
 
-@functools.lru_cache(maxsize=1024)  # at most 17 MB of 129-node masks
-def _ancestor_mask(parents: tuple[int, ...]):
-    """DraftTree.ancestor_mask of trees with these parents. Trees of a few shapes come back round after round (a
-    drafter at budget 4 makes few), and working a mask out was about half of planning a request's round."""
-    import numpy as np  # here, not at the top: drafters use trees without needing torch
-    import torch
+class TreeShape:
+    """What follows from a tree's parents alone, worked out in one pass: each node's depth (and the deepest, `height`)
+    and its ancestors (itself included) as the bits of an integer; the depths as an array and the ancestor mask
+    once asked for. Shared by the trees of one shape: only ever read."""
 
-    mask = np.eye(len(parents), dtype=bool)  # NumPy rows: a few times cheaper than torch indexing per node
-    for i in range(1, len(parents)):
-        mask[i] |= mask[parents[i]]
-    return torch.from_numpy(mask)
+    __slots__ = ("depths", "height", "ancestors", "_depth_array", "_mask")
+
+    def __init__(self, parents: tuple[int, ...]):
+        # Node by node, as the definitions go (depth[i] = depth[parent] + 1; mask row i = row of the parent, plus
+        # i): parents before children make that one pass.
+        n = len(parents)
+        depths, ancestors = [0] * n, [1 << i for i in range(n)]
+        for i in range(1, n):
+            parent = parents[i]
+            depths[i] = depths[parent] + 1
+            ancestors[i] |= ancestors[parent]
+        self.depths, self.height, self.ancestors = tuple(depths), max(depths, default=0), ancestors
+        self._depth_array = self._mask = None
+
+    def depth_array(self):
+        """The depths as int64 NumPy (only ever read)."""
+        if self._depth_array is None:
+            import numpy as np  # here, not at the top: drafters use trees without needing NumPy or torch
+
+            self._depth_array = np.array(self.depths, dtype=np.int64)
+        return self._depth_array
+
+    def mask(self):
+        """The ancestor mask (N, N) as a bool tensor: row i holds the bits of ancestors[i], unpacked in one NumPy
+        call rather than one row operation per node."""
+        if self._mask is None:
+            import numpy as np
+            import torch
+
+            n = len(self.ancestors)
+            if n <= 64:  # each row's bits in one little-endian 64-bit word
+                words = np.array(self.ancestors, dtype="<u8").view(np.uint8).reshape(n, 8)
+            else:
+                width = (n + 7) // 8
+                words = np.frombuffer(b"".join([bits.to_bytes(width, "little") for bits in self.ancestors]),
+                                      dtype=np.uint8).reshape(n, width)
+            self._mask = torch.from_numpy(np.unpackbits(words, axis=1, count=n, bitorder="little").view(bool))
+        return self._mask
+
+
+@functools.lru_cache(maxsize=1024)  # at most 17 MB of 129-node masks
+def _shape(parents: tuple[int, ...]) -> TreeShape:
+    """The TreeShape of trees with these parents. Trees of a few shapes come back round after round (a drafter at
+    budget 4 makes few, chains come in one shape a length), while a DDTree tree hardly ever has the shape of
+    another: working a shape out must be cheap too."""
+    return TreeShape(parents)
 
 
 # The largest tree a round verifies: the root plus this many drafted nodes.

@@ -17,14 +17,24 @@ def walk_tree(tree: DraftTree, choices: list[int]) -> tuple[list[int], list[int]
     Returns (kept_nodes, emitted): the root plus accepted nodes, whose KV stays, and the emitted tokens
     (accepted drafted tokens, then the bonus); emitted[i] == choices[kept_nodes[i]].
     """
-    children = tree.children()
+    parents, tokens = tree.parents, tree.tokens
     node, kept, emitted = 0, [0], []
     while True:
         token = choices[node]
         emitted.append(token)
-        node = next((child for child in children[node] if tree.tokens[child] == token), -1)
-        if node < 0:
+        if token not in tokens:  # the bonus token, mostly (and a plain step's): no child holds it
             return kept, emitted
+        # The first child of `node` that holds the token: the first drafted node holding it whose parent is `node`
+        # (list.index scans in C; without a list of every node's children, which cost more than the walk).
+        child = 0
+        while True:
+            try:
+                child = tokens.index(token, child + 1)
+            except ValueError:
+                return kept, emitted
+            if parents[child] == node:
+                break
+        node = child
         kept.append(node)
 
 

@@ -206,7 +206,8 @@ class DrafterLink:
         """A reply's tree. The own trees of a drafter that drafts by lookup alone too (merged) say how long their
         lookup chain is, 0 included."""
         chain = tree.lookup_nodes if self.lookup_trees and not lookup_only else None
-        return DraftTree(list(tree.token_ids), list(tree.parents), chain)
+        # A repeated field's slice is a list, made about twice as fast as list() iterating over the field.
+        return DraftTree(tree.token_ids[:], tree.parents[:], chain)
 
     async def send_drops(self) -> None:
         """Tell the drafter now which requests ended, on a message of their own, rather than with this link's

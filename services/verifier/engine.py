@@ -22,7 +22,7 @@ from treeserve.models.paged_kv import PagedAttention, PagedSequence
 from treeserve.params import GenerationParams
 from treeserve.sampling import pick_tokens, random_seed, sampling_setting
 from treeserve.tokenizer import Tokenizer
-from treeserve.tree import MAX_BUDGET, DraftPoolFull, DraftTree, Drafter
+from treeserve.tree import MAX_BUDGET, DraftPoolFull, DraftTree, Drafter, TreeShape
 from treeserve.verifier.acceptance import chain_accepted, walk_tree
 from treeserve.verifier.graphs import TreeVerifier, causal_mask
 from treeserve.verifier.rows import Rows, gather, is_run, run_index, select_rows
@@ -54,14 +54,15 @@ class GenerationResult:
 class ForwardPlan:
     """One request's share of a target forward: tokens at positions, attending to the committed prefix in
     `cache` (contiguous, or the request's sequence in a paged pool) plus, among themselves, what `mask` (N, N)
-    allows, or causal when it is None (a prompt); logits wanted at `logits_rows`. `tree` is None for a prefill.
-    Positions (int64, NumPy: cheaper than a tensor to make and to stage, per request and round) and mask stay on
-    the host: the forward moves a whole batch's at once."""
+    allows (a tree's: its TreeShape, whose ancestor mask the forward's staging unpacks for every tree at once), or
+    causal when it is None (a prompt); logits wanted at `logits_rows`. `tree` is None for a prefill. Positions
+    (int64, NumPy: cheaper than a tensor to make and to stage, per request and round) and mask stay on the host:
+    the forward moves a whole batch's at once."""
 
     cache: KVCache | PagedSequence
     tokens: list[int]
     positions: np.ndarray
-    mask: torch.Tensor | None
+    mask: torch.Tensor | TreeShape | None
     logits_rows: list[int]
     tree: DraftTree | None
 
@@ -143,7 +144,9 @@ def _spans(counts: list[int]) -> list[range]:
 
 
 def _mask(plan: ForwardPlan) -> torch.Tensor:
-    return plan.mask if plan.mask is not None else causal_mask(len(plan.tokens))
+    if plan.mask is None:
+        return causal_mask(len(plan.tokens))
+    return plan.mask.mask() if isinstance(plan.mask, TreeShape) else plan.mask
 
 
 class TargetFeatures:
@@ -196,6 +199,7 @@ class FeatureBacklog:
     transfer it was in."""
 
     FLUSH_ROUNDS, FLUSH_BYTES, JOIN_CHUNKS = 32, 64 << 20, 8
+    LISTED_ROWS = 512  # rows of one round that _grouped orders as Python lists
 
     def __init__(self):
         self.copies: list[torch.Tensor] = []  # each round's copied rows, one run of each source's
@@ -260,7 +264,7 @@ class FeatureBacklog:
             self.copied.record()
         else:
             host = grouped
-        for features, chunk in zip(requests, host.split(totals)):
+        for features, chunk in zip(requests, host.split_with_sizes(totals)):
             chunks = features.chunks
             owned = next((i for i in range(len(chunks), 0, -1) if chunks[i - 1]._base is None), 0)
             if len(chunks) - owned >= self.JOIN_CHUNKS:  # earlier transfers' views: finished, joined
@@ -283,6 +287,17 @@ class FeatureBacklog:
                 requests.append(features)
             owners.append(ordinal[id(features)])
             indexes.append(index)
+        piled = self.copies[0] if len(self.copies) == 1 else torch.cat(self.copies)
+        if len(requests) == len(indexes) and sum(map(len, indexes)) <= self.LISTED_ROWS:
+            # Each request's rows of one round (drafting rounds flush every round), a few: already in order, and
+            # Python lists of them cost less than the NumPy calls that group many rounds' rows.
+            order = [row for index in indexes for row in index]
+            start = order[0] if order else 0
+            if order and order == list(range(start, start + len(order))):
+                grouped = piled[start:start + len(order)]
+            else:
+                grouped = select_rows(piled, np.array(order, dtype=np.int64))
+            return requests, [len(index) for index in indexes], grouped
         owners = np.asarray(owners)
         counts = np.fromiter(map(len, indexes), dtype=np.int64, count=len(indexes))
         # Each request's rows in round order, one request after another.
@@ -292,7 +307,6 @@ class FeatureBacklog:
             order = run_index(starts[by_owner], counts[by_owner])
         else:
             order = np.concatenate([np.asarray(indexes[i], dtype=np.int64) for i in by_owner])
-        piled = self.copies[0] if len(self.copies) == 1 else torch.cat(self.copies)
         if len(order) and (np.diff(order) == 1).all():
             grouped = piled[order[0]:order[-1] + 1]  # already in order (one request, or each once): no gather
         else:
@@ -502,10 +516,12 @@ class Generation:
             raise TreeserveError(f"the drafter returned a tree that does not fit the request "
                                  f"(root {tree.tokens[0]} vs {root}, {tree.size - 1} nodes for budget {self.budget})")
         # A round emits at most depth + 1 tokens; deeper nodes could never be used.
-        tree = tree.truncated(self.params.max_new_tokens - len(self.output_ids) - 1)
-        positions = np.asarray(tree.depths(), dtype=np.int64) + self.cache.length
-        return ForwardPlan(self.cache, tree.tokens, positions, tree.ancestor_mask("cpu"), list(range(tree.size)),
-                           tree)
+        shape, max_depth = tree.shape(), self.params.max_new_tokens - len(self.output_ids) - 1
+        if shape.height > max_depth:
+            tree = tree.truncated(max_depth)
+            shape = tree.shape()
+        return ForwardPlan(self.cache, tree.tokens, shape.depth_array() + self.cache.length, shape,
+                           list(range(tree.size)), tree)
 
     def pick_counters(self, plan: ForwardPlan) -> list[int]:
         """Which generated token each of the plan's logits rows decides: the counter of its random draw."""
@@ -575,6 +591,14 @@ class Generation:
 
     def _commit(self, tokens: list[int]) -> list[int]:
         """Append tokens one by one, stopping at a stop token, a stop string or the length limit."""
+        if (not self.params.stop_strings and self.stops.ids.isdisjoint(tokens)
+                and len(self.output_ids) + len(tokens) < self.params.max_new_tokens):
+            # None of them can end the output (most rounds): all at once, without checking each (what the checks
+            # would leave: every token, and no finish reason)
+            self.output_ids.extend(tokens)
+            if tokens:
+                self.finish_reason = None
+            return list(tokens)
         committed = []
         for token in tokens:
             self.output_ids.append(token)

@@ -16,7 +16,7 @@ from treeserve.errors import TreeserveError
 from treeserve.models import DecoderLM
 from treeserve.models.graphs import PagedRunner, TreeRows, buckets_up_to
 from treeserve.models.paged_kv import PagedAttention, PagedInputs, PagedKVCache, PagedSequence
-from treeserve.tree import MAX_BUDGET
+from treeserve.tree import MAX_BUDGET, TreeShape
 from treeserve.verifier.rows import Rows, gather
 from treeserve.verifier.tensor_parallel import agreed_blocks
 
@@ -48,6 +48,7 @@ class TreeVerifier:
         self.runner = PagedRunner(pool, self._forward, max_batch, buckets_up_to(max_tree, TREE_BUCKETS),
                                   model.config.max_context, graphs)
         self.captured_features: tuple[int, ...] | None = None
+        self.flat_outputs: dict[tuple[int, int], tuple] = {}  # each graph's outputs, flattened (verify)
         self.mirror = None  # on rank 0 of a tensor-parallel target: the other ranks' channel (tensor_parallel)
         # Prompts of up to this many rows buckets are prefilled in pieces through the runner (`prefill_in_pieces`),
         # longer ones in one eager forward (`prefill`). With graphs, 8 pieces: an eager prefill launches every
@@ -78,6 +79,7 @@ class TreeVerifier:
         if self.mirror is not None:  # every rank captures: the graphs hold their collectives
             self.mirror.send("capture", feature_layer_ids=tuple(feature_layer_ids))
         self.feature_layer_ids = tuple(feature_layer_ids)
+        self.flat_outputs.clear()
         seconds = self.runner.capture()
         self.captured_features = self.feature_layer_ids
         log.info("captured %d CUDA graphs (batch up to %d, trees up to %d nodes) in %.1f s",
@@ -91,7 +93,7 @@ class TreeVerifier:
         return self.runner.time_graphs()
 
     def verify(self, sequences: list[PagedSequence], tokens: list[list[int]], positions: list[np.ndarray],
-               masks: list[torch.Tensor], feature_layer_ids: tuple[int, ...] = ()
+               masks: list[torch.Tensor | TreeShape], feature_layer_ids: tuple[int, ...] = ()
                ) -> tuple[list[Rows], list[Rows | None]]:
         """One forward of every request's tree; returns each request's logits (its nodes' rows) and features, as
         rows of the forward's outputs (overwritten by the next replay of the same graph)."""
@@ -102,11 +104,16 @@ class TreeVerifier:
         logits, features = self.runner.run(sequences, tokens, positions, masks)
         rows = logits.shape[1]  # padded: request b's nodes are rows b * rows .. of the flattened outputs
         spans = [range(b * rows, b * rows + len(t)) for b, t in enumerate(tokens)]
-        all_logits = logits.flatten(0, 1)
+        key = self.runner.last_bucket  # a graph's: the same outputs every replay, flattened once
+        flat = self.flat_outputs.get(key) if key is not None else None
+        if flat is None:
+            flat = (logits.flatten(0, 1), None if features is None else features.flatten(0, 1))
+            if key is not None:
+                self.flat_outputs[key] = flat
+        all_logits, all_features = flat
         per_logits = [Rows(all_logits, span) for span in spans]
-        if features is None:
+        if all_features is None:
             return per_logits, [None] * len(spans)
-        all_features = features.flatten(0, 1)
         return per_logits, [Rows(all_features, span) for span in spans]
 
     def prefills_in_pieces(self, rows: int) -> bool:

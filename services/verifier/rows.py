@@ -82,5 +82,5 @@ def select_rows(source: torch.Tensor, index: np.ndarray) -> torch.Tensor:
     memory would wait for the device's queued work first."""
     index = torch.from_numpy(index.astype(np.int64))
     if source.is_cuda:
-        index = index.pin_memory()
-    return source.index_select(0, index.to(source.device, non_blocking=True))
+        index = index.pin_memory().to(source.device, non_blocking=True)
+    return source.index_select(0, index)

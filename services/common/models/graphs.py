@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import gc
 import time
 
@@ -25,9 +26,23 @@ import torch
 
 from treeserve.errors import TreeserveError
 from treeserve.models.paged_kv import PagedInputs, PagedKVCache, PagedSequence
+from treeserve.tree import TreeShape
 
 
 GRAPH_CHOICES = ("auto", "on", "off")  # auto: on with CUDA
+
+
+def in_inference_mode(function):
+    """`function` under torch.inference_mode(), entered only where the caller is not in it already: a forward's
+    host work passes through several such methods (from forward_batch, itself under it), and entering the mode
+    costs as much as some of that work."""
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return function(*args, **kwargs)
+        with torch.inference_mode():
+            return function(*args, **kwargs)
+    return run
 
 
 def graphs_wanted(choice: str, device: torch.device | str) -> bool:
@@ -84,24 +99,50 @@ def padded_rows(batch: int, rows: int, table_width: int, pin: bool = False) -> T
 
 
 def stage_trees(sequences: list[PagedSequence], tokens: list[list[int]], positions: list[np.ndarray],
-                masks: list[torch.Tensor | np.ndarray], batch: int, rows: int, table_width: int,
+                masks: list[torch.Tensor | np.ndarray | TreeShape], batch: int, rows: int, table_width: int,
                 into: TreeRows | None = None) -> TreeRows:
     """Host tensors of one forward: each request's new rows (reserved here in its sequence) with their tokens,
-    positions and mask among themselves, padded to (batch, rows). Staged in new tensors, or `into`: host buffers
-    at least that large (a PagedRunner's, page-locked, allocated once and reused every round)."""
+    positions and mask among themselves (an (N, N) tensor or array, or a tree's TreeShape: its ancestor mask),
+    padded to (batch, rows). Staged in new tensors, or `into`: host buffers at least that large (a PagedRunner's,
+    page-locked, allocated once and reused every round)."""
     if into is not None and into.paged.tables.shape[1] != table_width:
         raise TreeserveError(f"staging buffers of block-table width {into.paged.tables.shape[1]}, not {table_width}")
     staged = padded_rows(batch, rows, table_width) if into is None else into.view(batch, rows)
-    # Filled and padded through NumPy views, which cost a fraction of torch indexing per request; torch's fills of
-    # the reused buffers also cost more between rounds than back to back.
-    tokens_np, positions_np = staged.tokens.numpy().reshape(batch, rows), staged.positions.numpy().reshape(batch, rows)
-    slots_np = staged.paged.slots.numpy().reshape(batch, rows)
-    tables_np, mask_np = staged.paged.tables.numpy(), staged.paged.tree_mask.numpy()
-    prefix_np, counts_np = staged.paged.prefix_lens.numpy(), staged.paged.new_counts.numpy()
-    if into is not None:  # every row padding, as padded_rows makes them
+    _stage_into(StagingView(staged), sequences, tokens, positions, masks, reused=into is not None)
+    return staged
+
+
+class StagingView:
+    """Staged rows of one (batch, rows) and NumPy views of their tensors, which staging writes through: a
+    PagedRunner keeps one per buffer set and bucket, rather than taking views of its buffers in every forward."""
+
+    __slots__ = ("staged", "tokens", "positions", "slots", "tables", "mask", "prefix_lens", "new_counts", "zeroed")
+
+    def __init__(self, staged: TreeRows):
+        # Filled and padded through NumPy views, which cost a fraction of torch indexing per request; torch's fills
+        # of the reused buffers also cost more between rounds than back to back.
+        batch, rows = staged.paged.batch, staged.tokens.shape[0] // staged.paged.batch
+        paged = staged.paged
+        self.staged = staged
+        self.tokens = staged.tokens.numpy().reshape(batch, rows)
+        self.positions = staged.positions.numpy().reshape(batch, rows)
+        self.slots = paged.slots.numpy().reshape(batch, rows)
+        self.tables, self.mask = paged.tables.numpy(), paged.tree_mask.numpy()
+        self.prefix_lens, self.new_counts = paged.prefix_lens.numpy(), paged.new_counts.numpy()
+        self.zeroed = (self.tokens, self.positions, self.tables, self.mask, self.prefix_lens, self.new_counts)
+
+
+def _stage_into(view: StagingView, sequences: list[PagedSequence], tokens: list[list[int]],
+                positions: list[np.ndarray], masks: list[torch.Tensor | np.ndarray | TreeShape], reused: bool) -> None:
+    """stage_trees' work, through `view`'s arrays (`reused`: buffers that may hold an earlier forward's rows)."""
+    slots_np, tables_np, mask_np = view.slots, view.tables, view.mask
+    tokens_np, positions_np, prefix_np, counts_np = view.tokens, view.positions, view.prefix_lens, view.new_counts
+    table_width = tables_np.shape[1]
+    if reused:  # every row padding, as padded_rows makes them
         slots_np.fill(-1)
-        for array in (tokens_np, positions_np, tables_np, mask_np, prefix_np, counts_np):
+        for array in view.zeroed:
             array.fill(0)
+    shapes: list[tuple[int, TreeShape]] = []  # trees whose masks are unpacked from their ancestor bits together
     for b, (sequence, tree_tokens, tree_positions, mask) in enumerate(zip(sequences, tokens, positions, masks)):
         n = len(tree_tokens)
         prefix_np[b], counts_np[b] = sequence.length, n
@@ -109,15 +150,39 @@ def stage_trees(sequences: list[PagedSequence], tokens: list[list[int]], positio
             slots_np[b, 0] = sequence.reserve_one()
             mask_np[b, 0, 0] = 1
         else:
-            slots_np[b, :n] = sequence.reserve(n).numpy()
-            mask_np[b, :n, :n] = np.asarray(mask)
+            slots_np[b, :n] = sequence.reserve_array(n)
+            if isinstance(mask, TreeShape):
+                shapes.append((b, mask))
+            else:
+                mask_np[b, :n, :n] = mask.numpy() if isinstance(mask, torch.Tensor) else mask
         if len(sequence.blocks) > table_width:
             raise TreeserveError(f"a sequence of {len(sequence.blocks)} blocks exceeds the block table's "
                                  f"{table_width}")
         tables_np[b, :len(sequence.blocks)] = sequence.blocks
         tokens_np[b, :n] = tree_tokens
         positions_np[b, :n] = tree_positions
-    return staged
+    if shapes:
+        _stage_ancestor_masks(mask_np, shapes)
+
+
+def _stage_ancestor_masks(mask_np: np.ndarray, shapes: list[tuple[int, TreeShape]]) -> None:
+    """The ancestor masks of these trees (request b's TreeShape) into mask_np[b], all in one unpacking of their
+    ancestor bits: each tree's rows padded with empty ones to the largest tree's, whose bits past a tree's size
+    are 0, as padding's are."""
+    requests = [b for b, _ in shapes]
+    width = max(len(shape.ancestors) for _, shape in shapes)
+    rows = [shape.ancestors + [0] * (width - len(shape.ancestors)) for _, shape in shapes]
+    if width <= 64:  # each row's bits in one little-endian 64-bit word
+        words = np.array(rows, dtype="<u8").view(np.uint8).reshape(len(rows), width, 8)
+    else:
+        size = (width + 7) // 8
+        words = np.frombuffer(b"".join([bits.to_bytes(size, "little") for row in rows for bits in row]),
+                              dtype=np.uint8).reshape(len(rows), width, size)
+    masks = np.unpackbits(words, axis=2, count=width, bitorder="little")
+    if requests == list(range(len(requests))):
+        mask_np[:len(requests), :width, :width] = masks
+    else:
+        mask_np[requests, :width, :width] = masks
 
 
 @dataclasses.dataclass
@@ -166,6 +231,7 @@ class PagedRunner:
     # (a prompt's next piece) is staged while the copies of the one before are still queued behind that one's
     # own predecessor. With one set, the host waited for those copies.
     STAGING_BUFFERS = 2
+    STAGING_VIEWS = 1024  # StagingViews kept at most
 
     def __init__(self, pool: PagedKVCache, forward, max_batch: int, row_buckets: list[int], max_length: int,
                  graphs: bool = False, request_outputs: int = 0):
@@ -191,6 +257,13 @@ class PagedRunner:
         self.staging_copied = ([torch.cuda.Event() for _ in range(self.STAGING_BUFFERS)]
                                if self.device.type == "cuda" else None)
         self.staged_in = 0  # the buffers the last forward was staged in
+        # Made once, not per forward: each buffer set's StagingView of a (batch, rows), each bucket's views of the
+        # static inputs and of its graph's outputs, and the bucket each (batch, rows) replays (the last three
+        # forgotten when the graphs are captured again).
+        self.staging_views: dict[tuple[int, int, int], StagingView] = {}
+        self.static_views: dict[tuple[int, int], TreeRows] = {}
+        self.output_views: dict[tuple[int, int], tuple[torch.Tensor | None, ...]] = {}
+        self.buckets_of: dict[tuple[int, int], tuple[int, int] | None] = {}
         # Forwards run, by the bucket whose graph replayed them (None: eagerly), so that tests and benches can tell
         # which way a batch went.
         self.forwards: collections.Counter = collections.Counter()
@@ -212,6 +285,9 @@ class PagedRunner:
         them for real."""
         started = time.perf_counter()
         self.graphs.clear()
+        self.buckets_of.clear()
+        self.static_views.clear()
+        self.output_views.clear()
         self.static = self._allocate_static()
         torch.cuda.synchronize()
         with cycle_collection_paused():
@@ -243,26 +319,34 @@ class PagedRunner:
         fitting = [key for key in self.graphs if key[0] >= batch and key[1] >= rows]
         return min(fitting, default=None)
 
-    @torch.inference_mode()
+    @in_inference_mode
     def run(self, sequences: list[PagedSequence], tokens: list[list[int]], positions: list[np.ndarray],
-            masks: list[torch.Tensor | np.ndarray]) -> tuple[torch.Tensor | None, ...]:
+            masks: list[torch.Tensor | np.ndarray | TreeShape]) -> tuple[torch.Tensor | None, ...]:
         """One forward over every request's new rows (reserved here in its sequence); returns the outputs
         viewed as (batch, rows, ...), padding included: request b's row i is [b, i] (a per-request output:
         (batch, ...), request b's at [b])."""
         if any(sequence.cache is not self.pool for sequence in sequences):
             raise TreeserveError("a sequence from another KV pool")
         batch, rows = len(sequences), max(len(t) for t in tokens)
-        key = self.bucket(batch, rows) if self.use_graphs else None  # None: graphs off, or beyond the maxima
+        key = None  # graphs off, or beyond the maxima
+        if self.use_graphs:
+            key = self.buckets_of.get((batch, rows), ())  # (): not looked up yet (None is an answer)
+            if key == ():
+                key = self.buckets_of[(batch, rows)] = self.bucket(batch, rows)
         batch, rows = key or (batch, rows)
-        staged = stage_trees(sequences, tokens, positions, masks, batch, rows, self.table_width,
-                             into=self._staging(batch, rows))
+        view = self._staging(batch, rows)
+        if view is None:
+            staged = stage_trees(sequences, tokens, positions, masks, batch, rows, self.table_width)
+        else:
+            _stage_into(view, sequences, tokens, positions, masks, reused=True)
+            staged = view.staged
         if self.on_execute is not None:
             self.on_execute(key, staged)
         return self.execute(key, staged)
 
-    def _staging(self, batch: int, rows: int) -> TreeRows | None:
-        """The host buffers to stage a forward of (batch, rows) in: the next of STAGING_BUFFERS sets, each
-        allocated once at the maxima (page-locked on a GPU) and reused once the copies out of it have finished
+    def _staging(self, batch: int, rows: int) -> StagingView | None:
+        """Where to stage a forward of (batch, rows): a view of the next of STAGING_BUFFERS sets of host buffers,
+        each allocated once at the maxima (page-locked on a GPU) and reused once the copies out of it have finished
         (queued two forwards back: normally long past); None beyond the maxima."""
         if batch > self.max_batch or rows > self.max_rows:
             return None
@@ -272,25 +356,39 @@ class PagedRunner:
         self.staged_in = (self.staged_in + 1) % self.STAGING_BUFFERS
         if self.staging_copied is not None:
             self.staging_copied[self.staged_in].synchronize()
-        return self.staging[self.staged_in]
+        view = self.staging_views.get((self.staged_in, batch, rows))
+        if view is None:
+            if len(self.staging_views) >= self.STAGING_VIEWS:  # eagerly, any (batch, rows) up to the maxima comes
+                self.staging_views.clear()
+            view = self.staging_views[(self.staged_in, batch, rows)] = StagingView(
+                self.staging[self.staged_in].view(batch, rows))
+        return view
 
-    @torch.inference_mode()
+    @in_inference_mode
     def execute(self, key: tuple[int, int] | None, staged: TreeRows) -> tuple[torch.Tensor | None, ...]:
         """Run staged rows (host tensors): replay the graph of bucket `key`, or eagerly when `key` is None."""
-        batch = staged.paged.batch
-        rows = staged.tokens.shape[0] // batch
         self.forwards[key] += 1
         self.last_bucket = key
         if key is None:
             on_device = staged.to(self.device, non_blocking=True)
             self._copied()
-            outputs = self.forward(on_device)
-        else:
-            self._load(self.static.view(*key), staged)
-            self._copied()
-            captured = self.graphs[key]
-            captured.graph.replay()
-            outputs = captured.outputs
+            batch = staged.paged.batch
+            return self._per_request(self.forward(on_device), batch, staged.tokens.shape[0] // batch)
+        static = self.static_views.get(key)
+        if static is None:
+            static = self.static_views[key] = self.static.view(*key)
+        self._load(static, staged)
+        self._copied()
+        captured = self.graphs[key]
+        captured.graph.replay()
+        outputs = self.output_views.get(key)  # a graph's outputs are the same tensors every replay
+        if outputs is None:
+            outputs = self.output_views[key] = self._per_request(captured.outputs, *key)
+        return outputs
+
+    def _per_request(self, outputs: tuple[torch.Tensor | None, ...], batch: int, rows: int
+                     ) -> tuple[torch.Tensor | None, ...]:
+        """A forward's outputs viewed as (batch, rows, ...), except the per-request ones."""
         per_row = len(outputs) - self.request_outputs
         return tuple(out if out is None or i >= per_row else out.view(batch, rows, *out.shape[1:])
                      for i, out in enumerate(outputs))

@@ -40,12 +40,18 @@ class BlockAllocator:
         self.free_blocks.extend(reversed(blocks))
 
 
+def _slot_tensor(slots: list[int]) -> torch.Tensor:
+    """Slot numbers as an int64 tensor (through NumPy: torch.tensor of a list costs several times more)."""
+    return torch.from_numpy(np.array(slots, dtype=np.int64))
+
+
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str):
         if num_blocks < 1 or block_size < 1:
             raise TreeserveError(f"a paged KV cache needs blocks: got {num_blocks} blocks of {block_size} tokens")
         self.block_size = block_size
+        self.block_offsets = np.arange(block_size, dtype=np.int64)  # a slot's offset in its block
         self.data = torch.zeros(2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                 dtype=dtype, device=device)
         self.allocator = BlockAllocator(num_blocks)
@@ -54,13 +60,16 @@ class PagedKVCache:
         self.recorded_moves: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.deferred_moves: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # inside `moves_together`
 
-    def move(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        """Copy the keys and values of every layer at slots `source` to slots `target` (host tensors). On a GPU,
-        thousands of moves go in launches one after another, so no move may read a slot that an earlier one writes:
-        an accepted path moved down to the end of its prefix never does, nor do several requests' paths together."""
+    def move(self, source: torch.Tensor | list[int], target: torch.Tensor | list[int]) -> None:
+        """Copy the keys and values of every layer at slots `source` to slots `target` (host tensors, or lists of
+        slot numbers). On a GPU, thousands of moves go in launches one after another, so no move may read a slot
+        that an earlier one writes: an accepted path moved down to the end of its prefix never does, nor do several
+        requests' paths together."""
         if self.deferred_moves is not None:
             self.deferred_moves.append((source, target))
             return
+        if isinstance(source, list):
+            source, target = _slot_tensor(source), _slot_tensor(target)
         if self.recorded_moves is not None:
             self.recorded_moves.append((source, target))
         slabs = self.slabs
@@ -98,8 +107,12 @@ class PagedKVCache:
             yield
         finally:
             moves, self.deferred_moves = self.deferred_moves, None
-            if moves:
-                self.move(torch.cat([source for source, _ in moves]), torch.cat([target for _, target in moves]))
+            if moves and all(isinstance(source, list) for source, _ in moves):  # slot numbers: one array each
+                self.move([slot for source, _ in moves for slot in source],
+                          [slot for _, target in moves for slot in target])
+            elif moves:
+                self.move(torch.cat([torch.as_tensor(source) for source, _ in moves]),
+                          torch.cat([torch.as_tensor(target) for _, target in moves]))
 
     @staticmethod
     def blocks_that_fit(cfg: ModelConfig, block_size: int, dtype: torch.dtype, free_bytes: int,
@@ -129,19 +142,30 @@ class PagedSequence:
 
     def slots(self, start: int, count: int) -> torch.Tensor:
         """Cache slots (block * block_size + offset) of positions start .. start + count - 1."""
+        return torch.from_numpy(self.slot_array(start, count))
+
+    def slot_array(self, start: int, count: int) -> np.ndarray:
+        """`slots` as int64 NumPy."""
         size = self.cache.block_size
         first, last = start // size, (start + count - 1) // size
-        if count > 0 and first == last:  # a tree or an accepted path, mostly: one run of one block's slots,
-            base = self.blocks[first] * size + start % size  # several times cheaper than the general way, which
-            return torch.arange(base, base + count)  # was a visible part of a large batch's round of trees
-        positions = np.arange(start, start + count)
-        table = np.asarray(self.blocks[first:last + 1], dtype=np.int64)  # only the blocks the positions span
-        return torch.from_numpy(table[positions // size - first] * size + positions % size)
+        # A tree or an accepted path, mostly: one run of one block's slots, several times cheaper than the general
+        # way, which was a visible part of a large batch's round of trees.
+        if count > 0 and first == last:
+            base = self.blocks[first] * size + start % size
+            return np.arange(base, base + count, dtype=np.int64)
+        # Every slot of the blocks the positions span (only those), block by block, then the positions' run of them.
+        table = np.asarray(self.blocks[first:last + 1], dtype=np.int64)
+        offset = start % size
+        return (table[:, None] * size + self.cache.block_offsets).ravel()[offset:offset + count]
 
     def reserve(self, count: int) -> torch.Tensor:
         """Room for `count` pending rows after the committed ones; returns their slots."""
+        return torch.from_numpy(self.reserve_array(count))
+
+    def reserve_array(self, count: int) -> np.ndarray:
+        """`reserve`, the slots as int64 NumPy."""
         self._grow(count)
-        return self.slots(self.length, count)
+        return self.slot_array(self.length, count)
 
     def reserve_one(self) -> int:
         """reserve(1), its slot as an integer: a plain step's row, for every request of every plain round."""
@@ -172,10 +196,16 @@ class PagedSequence:
         """Commit the pending rows at these indices (ascending) and free the blocks past the new end."""
         count = len(pending_rows)
         if pending_rows != list(range(count)):
-            self.cache.move(self.slots(self.length, max(pending_rows) + 1)[pending_rows],
-                            self.slots(self.length, count))
+            # As lists of slot numbers: for the few rows of an accepted path, Python's arithmetic costs less than
+            # NumPy's or torch's calls, and a round's moves become one array (moves_together).
+            self.cache.move(self._slot_numbers(pending_rows), self._slot_numbers(range(count)))
         self.length += count
         self._trim()
+
+    def _slot_numbers(self, rows) -> list[int]:
+        """The slots of these pending rows (0: the first after the committed ones)."""
+        size, blocks, length = self.cache.block_size, self.blocks, self.length
+        return [blocks[(length + row) // size] * size + (length + row) % size for row in rows]
 
     def _trim(self) -> None:
         used = self.cache.blocks_for(self.length)
@@ -208,7 +238,9 @@ class PagedInputs:
         return self.tables.shape[0]
 
     def tensors(self) -> list[torch.Tensor | None]:
-        return [getattr(self, field.name) for field in dataclasses.fields(self)]
+        """The fields in their order (named, not looked up through dataclasses.fields: a forward's staging calls
+        this)."""
+        return [self.slots, self.tables, self.prefix_lens, self.new_counts, self.tree_mask]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "PagedInputs":
         return PagedInputs(*(None if t is None else t.to(device, non_blocking=non_blocking)
