@@ -96,15 +96,16 @@ def expected(target, prompt, max_new_tokens=30):
                     GenerationParams(max_new_tokens=max_new_tokens, ignore_eos=True)).token_ids
 
 
-def check_received_features(target, drafter):
-    """Each context got exactly the target's features of its tokens but the last, as a fresh forward gives them."""
+def check_received_features(target, drafter, complete: bool = True):
+    """Each context got exactly the target's features of its tokens but the last, as a fresh forward gives them
+    (or, not `complete`, of its oldest tokens: rows may come later than their tokens)."""
     checked = 0
     for context in drafter.contexts:
         if not context.received:
             continue
         received = torch.cat(context.received)
-        assert received.shape[0] == len(context.tokens) - 1
-        want = target_features(target.model, context.tokens[:-1], drafter.feature_layer_ids)
+        assert received.shape[0] == len(context.tokens) - 1 or not complete
+        want = target_features(target.model, context.tokens[:received.shape[0]], drafter.feature_layer_ids)
         torch.testing.assert_close(received, want, atol=1e-4, rtol=1e-4)
         checked += 1
     return checked
@@ -205,17 +206,20 @@ class OwnLookupPlain(FixedSpeculation):
 
 def test_rounds_of_lookups_trees_alone_keep_the_merged_drafters_context(tmp_path, target):
     """A merged drafter offers prompt lookup's trees alone; rounds that ask for them get the n-gram drafter's trees
-    (no DFlash forward), their features still reach the DFlash context in order, and the output stays the target's
-    own. The drafter's own trees say how long their lookup chain is."""
+    (no DFlash forward) and carry no features, which reach the DFlash context in order with the next round of its
+    own trees; the output stays the target's own. The drafter's own trees say how long their lookup chain is."""
     from treeserve.drafter.merged import MergedDrafter
     from treeserve.drafter.ngram import NgramDrafter
 
     drafter = recording_drafter(target)
     merged = MergedDrafter(drafter)
-    lookups, own = [], []
+    lookups, own, lagging = [], [], []
     propose, propose_lookup = merged.propose, merged.propose_lookup
 
     def recording_propose_lookup(contexts, budgets):
+        # Without a DFlash forward, nor its features: rows lag the tokens by at least the tokens since the last
+        # round of its own trees.
+        lagging.extend(context.dflash.rows_wanted() for context in contexts)
         trees = propose_lookup(contexts, budgets)
         lookups.extend((list(context.tokens), budget, tree) for context, budget, tree in zip(contexts, budgets, trees))
         return trees
@@ -242,8 +246,8 @@ def test_rounds_of_lookups_trees_alone_keep_the_merged_drafters_context(tmp_path
     outputs = asyncio.run(main())
     for prompt, output in zip(PROMPTS, outputs):
         assert output == expected(target, prompt)
-    assert check_received_features(target, drafter) == len(PROMPTS)
-    assert all(policy.offered) and lookups and own
+    assert check_received_features(target, drafter, complete=False) == len(PROMPTS)
+    assert all(policy.offered) and lookups and own and max(lagging) > 0
     assert all(tree == NgramDrafter().tree(tokens, budget) for tokens, budget, tree in lookups)
     assert all(tree.lookup_nodes is not None for tree in own)
     # The verifier reads off each own tree's accepted path what its lookup chain alone would have accepted.
@@ -395,3 +399,38 @@ def test_features_of_the_wrong_shape_are_invalid_argument(tmp_path, target):
     info, error = asyncio.run(main())
     assert info.kind == "dflash" and list(info.feature_layer_ids) == [0, 1]
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "features of shape" in error.details()
+
+
+def test_rows_may_come_after_their_tokens_but_not_after_an_own_tree(tmp_path, target):
+    """A merged drafter's round of prompt lookup's trees alone may carry tokens without their feature rows; a round
+    that asks for its own tree must bring every row the context lacks, or it is refused."""
+    from treeserve.drafter.merged import MergedDrafter
+    from treeserve.wire import features_to_proto
+
+    drafter = MergedDrafter(random_dflash_drafter(target.model, "ddtree"))
+
+    def item(tokens, rows, lookup_only=False):
+        message = drafter_pb2.DraftItem(request_id="a", new_token_ids=tokens, budget=4, lookup_only=lookup_only)
+        if rows:
+            features_to_proto(torch.zeros(rows, drafter.feature_size), into=message.features)
+        return message
+
+    async def main():
+        service = await start_drafter(tmp_path, drafter)
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stream = drafter_pb2_grpc.DrafterServiceStub(channel).Draft()
+            answers = []
+            for round_, items in enumerate([[item([1, 2, 3], 2)], [item([4, 5], 0, lookup_only=True)],
+                                            [item([6], 1, lookup_only=True)], [item([7], 3)], [item([8], 0)]], 1):
+                await stream.write(drafter_pb2.DraftRequest(round=round_, items=items))
+                try:
+                    answers.append(len((await stream.read()).trees))
+                except grpc.aio.AioRpcError as error:
+                    answers.append(error)
+                    break
+        await service.stop(0)
+        return answers
+
+    *trees, refused = asyncio.run(main())
+    assert trees == [1, 1, 1, 1]  # the rows of 4, 5 and 6 came in two later rounds
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "expected (1, " in refused.details()

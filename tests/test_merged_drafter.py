@@ -83,10 +83,11 @@ def test_merged_trees_hold_the_lookup_continuation_and_keep_to_the_budget():
 
 
 def test_lookup_rounds_draft_prompt_lookups_trees_and_keep_the_dflash_context_whole():
-    """A round of prompt lookup's trees alone gives the n-gram drafter's tree of the whole budget, and its tokens and
-    features still extend the DFlash context: the next own tree is the one a drafter fed the same context without
-    lookup rounds proposes."""
+    """A round of prompt lookup's trees alone gives the n-gram drafter's tree of the whole budget and needs no
+    features: the DFlash context takes the tokens, their rows come later, and the next own tree, once they have
+    all come, is the one a drafter fed everything at once proposes. Until they have, it proposes nothing."""
     from treeserve.drafter.ngram import NgramDrafter
+    from treeserve.errors import TreeserveError
 
     target = random_target("llama", seed=2, vocab_size=VOCAB, weight_scale=2.0)
     tokens = [4, 5, 6, 7, 8, 9, 4, 5, 6, 7, 8, 3, 4, 5]
@@ -95,12 +96,18 @@ def test_lookup_rounds_draft_prompt_lookups_trees_and_keep_the_dflash_context_wh
     contexts = [drafter.new_context() for drafter in (with_lookup, plain)]
     for drafter, context in zip((with_lookup, plain), contexts):
         drafter.extend(context, tokens[:6], features[:5])
-    for end in (9, 12, 14):  # lookup rounds for one of them only
+    for end in (9, 12, 14):  # lookup rounds for one of them, tokens alone
         (tree,) = with_lookup.propose_lookup([contexts[0]], [8])
         assert tree == NgramDrafter().tree(contexts[0].tokens, 8) and tree.lookup_nodes is None
-        for drafter, context in zip((with_lookup, plain), contexts):
-            start = len(context.tokens)
-            drafter.extend(context, tokens[start:end], features[start - 1:end - 1])
+        with_lookup.extend(contexts[0], tokens[len(contexts[0].tokens):end])
+    assert with_lookup.rows_wanted(contexts[0]) == 8
+    with pytest.raises(TreeserveError, match="lacks the feature rows of 8 tokens"):
+        with_lookup.propose(contexts[:1], [8])
+    with pytest.raises(TreeserveError, match="at most 8"):
+        with_lookup.extend(contexts[0], [], features[4:])  # one row too many
+    with_lookup.extend(contexts[0], [], features[5:9])  # the rows, in two parts
+    with_lookup.extend(contexts[0], [], features[9:])
+    plain.extend(contexts[1], tokens[6:], features[5:])
     assert with_lookup.propose(contexts[:1], [8]) == plain.propose(contexts[1:], [8])
 
 

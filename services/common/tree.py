@@ -151,7 +151,8 @@ class Drafter(Protocol):
     A drafter that conditions on the target (DFlash) names the target layers whose outputs it needs in
     `feature_layer_ids`; it then gets, with each request's newly committed tokens, the target's hidden states
     (concatenated over those layers) for every token that entered the target's KV cache since the last call:
-    all committed tokens but the last, which is the root of the next tree.
+    all committed tokens but the last, which is the root of the next tree. Such a drafter may take rows later than
+    their tokens (`rows_wanted` says how many a context lacks), but proposes only for contexts that lack none.
     """
 
     name: str

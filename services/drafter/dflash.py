@@ -237,7 +237,9 @@ def save_dflash(model: DFlashModel, folder: str | Path, dtype: torch.dtype = tor
 class DFlashRequest:
     """One request's draft context: its tokens and, in `sequence`, the draft layers' context keys/values
     (every committed token but the root, whose features the target has not produced yet). Rows extended since
-    its last block forward wait in `unwritten` (slots, positions, features) until the next one writes them."""
+    its last block forward wait in `unwritten` (slots, positions, features) until the next one writes them. The
+    rows may lag the tokens (a merged drafter's rounds of prompt lookup alone carry none); a block forward needs
+    them all (`rows_wanted` 0)."""
 
     def __init__(self, sequence: PagedSequence):
         self.tokens: list[int] = []
@@ -247,6 +249,10 @@ class DFlashRequest:
     @property
     def unwritten_rows(self) -> int:
         return sum(len(slots) for slots, _, _ in self.unwritten)
+
+    def rows_wanted(self, new_tokens: int = 0) -> int:
+        """Feature rows it lacks once `new_tokens` more tokens join: one per token but the root."""
+        return max(0, len(self.tokens) + new_tokens - 1) - self.sequence.length
 
 
 
@@ -404,6 +410,10 @@ class DFlashDrafter:
     def new_context(self) -> DFlashRequest:
         return DFlashRequest(self.pool.sequence())
 
+    def rows_wanted(self, context: DFlashRequest, new_tokens: int = 0) -> int:
+        """Feature rows the context lacks once `new_tokens` more tokens join."""
+        return context.rows_wanted(new_tokens)
+
     def release(self, context: DFlashRequest) -> None:
         """Return the context's blocks to the pool (the request finished or left)."""
         context.unwritten.clear()  # rows for the blocks being freed: never written
@@ -411,11 +421,13 @@ class DFlashDrafter:
         context.sequence.release()
 
     def extend(self, context: DFlashRequest, tokens: list[int], features: torch.Tensor | None) -> None:
+        """The next tokens, and feature rows for the oldest tokens without theirs: as many as the tokens but the
+        root, or fewer (they may come with a later call, before the context drafts)."""
         rows = 0 if features is None else features.shape[0]
-        expected = len(context.tokens) + len(tokens) - 1 - context.sequence.length
-        if rows != expected:
-            raise TreeserveError(f"dflash: {rows} feature rows for {len(tokens)} new tokens; expected {expected} "
-                                 "(one per token that entered the target's KV cache)")
+        wanted = context.rows_wanted(len(tokens))
+        if rows > wanted:
+            raise TreeserveError(f"dflash: {rows} feature rows for {len(tokens)} new tokens; expected at most "
+                                 f"{wanted} (one per token that entered the target's KV cache)")
         if rows and features.shape[1] != self.feature_size:
             raise TreeserveError(f"dflash: features are {features.shape[1]} wide; this drafter needs "
                                  f"{self.feature_size}")
@@ -518,6 +530,9 @@ class DFlashDrafter:
         outside = [budget for budget in budgets if not 0 <= budget <= self.max_budget]
         if outside:
             raise TreeserveError(f"dflash: budgets must be between 0 and {self.max_budget}, got {outside[0]}")
+        lacking = next((context.rows_wanted() for context in contexts if context.rows_wanted()), 0)
+        if lacking:
+            raise TreeserveError(f"dflash: a context lacks the feature rows of {lacking} tokens")
         trees, step = [], self.runner.max_batch
         for start in range(0, len(contexts), step):
             chunk, chunk_budgets = contexts[start:start + step], list(budgets[start:start + step])

@@ -8,8 +8,8 @@ subtree hangs from the chain. Where lookup finds nothing, the whole budget is DF
 chain is (`DraftTree.lookup_nodes`), so the verifier learns what lookup alone would have accepted.
 
 A round may also ask for prompt lookup's tree alone (`propose_lookup`): no DFlash forward, for rounds where its
-cost would not pay (a larger batch). The DFlash context takes the round's tokens and features all the same,
-written with its next block forward.
+cost would not pay (a larger batch). Such rounds need no target features: the DFlash context takes the tokens, and
+their feature rows come with the next round that drafts with DFlash.
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ class MergedDrafter:
 
     def release(self, context: MergedContext) -> None:
         self.dflash.release(context.dflash)
+
+    def rows_wanted(self, context: MergedContext, new_tokens: int = 0) -> int:
+        """Feature rows the DFlash context lacks once `new_tokens` more tokens join."""
+        return context.dflash.rows_wanted(new_tokens)
 
     def propose(self, contexts: list[MergedContext], budgets: list[int]) -> list[DraftTree]:
         chains = [self.lookup_chain(context, budget) for context, budget in zip(contexts, budgets)]

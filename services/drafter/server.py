@@ -250,18 +250,23 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         return self.check_features(item, contexts)
 
     def check_features(self, item: drafter_pb2.DraftItem, contexts: dict[str, DraftContext]):
-        """Features come exactly for the tokens that entered the target's KV cache: every new token, except the
-        newest (the next root) on a request's first item, whose context holds no root yet."""
+        """Features come for the tokens that entered the target's KV cache (every token but the newest, the next
+        root), oldest first: an item that asks for the drafter's own tree brings every row its context still lacks;
+        one that asks for none, or for prompt lookup's alone, may bring fewer (the rest come later)."""
         if not self.drafter.feature_layer_ids:
             if item.HasField("features"):
                 raise TreeserveError(f"request {item.request_id!r}: features sent, but this drafter asks for none")
             return None
         if item.finished:
             return None
-        rows = len(item.new_token_ids) - (0 if item.request_id in contexts else 1)
+        context = contexts.get(item.request_id)
+        new = len(item.new_token_ids)
+        wanted = max(0, new - 1) if context is None else self.drafter.rows_wanted(context, new)
         sent = item.HasField("features")
         shape = tuple(item.features.shape) if sent else (0, self.drafter.feature_size)
-        if shape != (rows, self.drafter.feature_size):
-            raise TreeserveError(f"request {item.request_id!r}: features of shape {shape} for "
-                                 f"{len(item.new_token_ids)} new tokens; expected ({rows}, {self.drafter.feature_size})")
+        all_needed = item.budget > 0 and not item.lookup_only
+        if shape[1:] != (self.drafter.feature_size,) or shape[0] > wanted or (all_needed and shape[0] < wanted):
+            raise TreeserveError(f"request {item.request_id!r}: features of shape {shape} for {new} new tokens; "
+                                 f"expected ({wanted}, {self.drafter.feature_size})"
+                                 f"{'' if all_needed else ' or fewer rows'}")
         return features_from_proto(item.features) if sent else None

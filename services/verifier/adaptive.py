@@ -527,10 +527,11 @@ class AdaptiveSpeculation:
         if plain in rates:
             if rates[best] < self.MARGIN * rates[plain]:
                 best = plain
-            # Would drafting pay were every request drafting, as the drafting ones do?
+            # Would the drafter's own trees pay were every request drafting, as the drafting ones do? (What a
+            # request that could draft costs in plain rounds, its kept features, is for those trees alone.)
             everyone = batch / len(asked)
             pays = any((batch + gained[key] * everyone) / seconds[key] > self.MARGIN * rates[plain]
-                       for key in rates if key[1] > 0)
+                       for key in rates if key[1] > 0 and not key[0])
             self.give_up.note(batch, None if pays else seconds[plain] * (1 + reused))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("adaptive: batch %d, expected tokens/s by (lookup, budget) %s", batch,

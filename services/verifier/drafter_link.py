@@ -74,7 +74,7 @@ class DraftRound:
 
 # Most bytes of features one Draft message carries. gRPC refuses a message above its limit (serving.MESSAGE_OPTIONS)
 # with INTERNAL, and a long prompt's features, or a catch-up after many plain rounds at a large batch, exceed it;
-# such a round goes out as several messages, each request's tokens in order, the last piece with its budget.
+# such a round goes out as several messages, each request's rows in order, the last piece with its budget.
 MESSAGE_FEATURE_BYTES = 16 << 20
 
 
@@ -92,21 +92,13 @@ class ContextPiece:
         return 0 if self.features is None else self.features.numel() * self.features.element_size()
 
 
-def split_context(request_id: str, token_ids: list[int], features, first: bool, max_rows: int
-                  ) -> list[ContextPiece]:
-    """Cut a request's new tokens and their feature rows into pieces of at most `max_rows` rows, as the drafter
-    takes them one after another: row i belongs to token i, except on a request's very first piece, whose newest
-    token has no row yet (it is the next root), so rows lag tokens by one there and in every piece after."""
+def split_context(request_id: str, token_ids: list[int], features, max_rows: int) -> list[ContextPiece]:
+    """Cut a request's new tokens and feature rows into pieces the drafter takes one after another: every token in
+    the first, the rows (oldest first) at most `max_rows` a piece; a drafter takes rows later than their tokens."""
     if features is None or len(features) <= max_rows:
         return [ContextPiece(request_id, token_ids, features)]
-    lag = 1 if first else 0
-    pieces, start = [], 0
-    while start < len(token_ids):
-        end = min(len(token_ids), start + max_rows + (lag if start == 0 else 0))
-        rows = features[max(start - lag, 0):end - lag] if end < len(token_ids) else features[max(start - lag, 0):]
-        pieces.append(ContextPiece(request_id, token_ids[start:end], rows))
-        start = end
-    return pieces
+    return [ContextPiece(request_id, token_ids if start == 0 else [], features[start:start + max_rows])
+            for start in range(0, len(features), max_rows)]
 
 
 def catches_up(sent: int | None, generation) -> bool:
@@ -133,6 +125,7 @@ class DrafterLink:
         self.feature_layer_ids: tuple[int, ...] = ()  # target layers whose hidden states the drafter needs
         self.lookup_trees = False  # whether it also drafts by prompt lookup alone (lookup_only rounds)
         self.sent: dict[str, int] = {}  # request id -> tokens of its context this stream has seen
+        self.rows_sent: dict[str, int] = {}  # request id -> feature rows of its context this stream has seen
         self.to_drop: set[str] = set()  # finished or cancelled requests the drafter should forget
         self.round = 0
         self.backoff_s, self.retry_at = 0.1, 0.0
@@ -152,6 +145,7 @@ class DrafterLink:
             self.lookup_trees = info.lookup_trees
             self.call = await self._open_stream(info.draft_socket)
             self.sent.clear()
+            self.rows_sent.clear()
             self.backoff_s = 0.1
             log.info("drafter %s (%s, max budget %d) connected%s", self.address, self.kind, self.max_budget,
                      " (Draft stream as frames on its Unix socket)" if isinstance(self.call, FramedCall) else "")
@@ -171,6 +165,7 @@ class DrafterLink:
         return self.stub.Draft()
 
     def forget(self, request_id: str) -> None:
+        self.rows_sent.pop(request_id, None)
         if self.sent.pop(request_id, None) is not None:
             self.to_drop.add(request_id)
 
@@ -178,13 +173,14 @@ class DrafterLink:
                     budgets: dict[str, int] | None = None, lookup_only: bool = False) -> DraftRound:
         """requests: request id -> its Generation (committed tokens and budget); trace_contexts: request id ->
         W3C headers of its round span (empty when tracing is off); budgets: this round's tree budget per request
-        (default: each request's own); lookup_only: prompt lookup's trees alone (a drafter with lookup_trees).
-        Only tokens this stream has not seen travel.
+        (default: each request's own); lookup_only: prompt lookup's trees alone (a drafter with lookup_trees),
+        without feature rows: those go with the next round that drafts the drafter's own trees.
+        Only tokens and rows this stream has not seen travel.
         Returns the trees the drafter proposed; none when the link is down or fails this round (those requests
         then decode plainly)."""
         if not self.up:
             return DraftRound({})
-        catch_up = any(catches_up(self.sent.get(request_id), generation)
+        catch_up = any(self._catches_up(request_id, generation, lookup_only)
                        for request_id, generation in requests.items())
         messages = self._messages(requests, trace_contexts, budgets or {}, lookup_only)
         started = time.perf_counter()
@@ -201,6 +197,14 @@ class DrafterLink:
             self._down(f"round failed: {describe(error)}")
             return DraftRound({}, round_trip_s=time.perf_counter() - started)  # the wait is the round's all the same
         return DraftRound(trees, propose_s, time.perf_counter() - started, messages, replies, catch_up)
+
+    def _catches_up(self, request_id: str, generation, lookup_only: bool) -> bool:
+        """Whether the request's item carries more than its last round's: tokens, or for the drafter's own tree
+        the feature rows too (rounds of lookup's trees alone send none)."""
+        if self.feature_layer_ids and not lookup_only:
+            rows = self.rows_sent.get(request_id)
+            return catches_up(None if rows is None else rows + 1, generation)  # row i is token i's
+        return catches_up(self.sent.get(request_id), generation)
 
     def _tree(self, tree: drafter_pb2.DraftTree, lookup_only: bool) -> DraftTree:
         """A reply's tree. The own trees of a drafter that drafts by lookup alone too (merged) say how long their
@@ -243,10 +247,12 @@ class DrafterLink:
         never two in one message."""
         waves: list[list[ContextPiece]] = []
         for request_id, generation in requests.items():
-            sent = self.sent.get(request_id, 0)
-            features = generation.features.since(max(sent - 1, 0)) if self.feature_layer_ids else None
+            sent, features = self.sent.get(request_id, 0), None
+            if self.feature_layer_ids and not lookup_only:
+                features = generation.features.since(self.rows_sent.get(request_id, 0))
+                self.rows_sent[request_id] = generation.committed_count - 1  # every token but the root
             row_bytes = features[:1].numel() * features.element_size() if features is not None else 0
-            pieces = split_context(request_id, generation.committed_since(sent), features, sent == 0,
+            pieces = split_context(request_id, generation.committed_since(sent), features,
                                    MESSAGE_FEATURE_BYTES // max(row_bytes, 1))
             pieces[-1].budget = min(budgets.get(request_id, generation.budget), self.max_budget)
             for wave, piece in enumerate(pieces):
@@ -282,6 +288,7 @@ class DrafterLink:
             self.call.cancel()
         self.call = None
         self.sent.clear()
+        self.rows_sent.clear()
         self.to_drop.clear()  # a new stream starts with no contexts: nothing to drop there
         self.retry_at = time.monotonic() + self.backoff_s
         log.warning("drafter %s down (%s); retrying in %.1f s", self.address, why, self.backoff_s)

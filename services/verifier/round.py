@@ -288,10 +288,11 @@ async def speculative_round(running: dict[str, Running], speculation: Speculatio
 async def draft(asking: dict[str, Running], budgets: dict[str, int], trace_contexts: dict[str, dict[str, str]],
                 backlog: FeatureBacklog, lookup_only: bool = False) -> list[DraftRound]:
     """The trees of the requests given budgets (prompt lookup's alone with `lookup_only`), one batched round trip
-    per drafter; the drafters first get every feature row up to now."""
+    per drafter; for their own trees, the drafters first get every feature row up to now."""
     if not budgets:
         return []
-    backlog.flush()
+    if not lookup_only:  # lookup's trees alone need no features
+        backlog.flush()
     by_link: dict[DrafterLink, dict[str, Generation]] = {}
     for request_id in budgets:
         entry = asking[request_id]
