@@ -1,5 +1,6 @@
 """PyTorch references of the kernels: the definitions the Triton kernels are tested against, and the path on
-machines without Triton (no import of it here). Layouts are described in each kernel's module."""
+machines without Triton (no import of it here). Layouts are described in each kernel's module. The DDTree search's
+reference is the drafter's own search, treeserve.drafter.trees.ddtree_select (kernels/ddtree_search.py)."""
 
 from __future__ import annotations
 

@@ -171,18 +171,20 @@ def test_regeneration_from_a_graph_equals_eager_decoding(dtype):
             assert row == alone.token_ids
 
 
+@pytest.mark.parametrize("tree", ["ddtree", "chain"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dflash_trees_from_graphs_equal_the_pytorch_search(dtype):
+def test_dflash_trees_from_graphs_equal_the_pytorch_search(dtype, tree):
     """On a GPU the DFlash drafter searches its trees in one Triton launch, replayed from a graph per (batch bucket,
-    width): from the same block log-probabilities, the packed trees of the PyTorch search, at every width."""
+    width): from the same block log-probabilities, the packed trees of the PyTorch search, at every width (a
+    chain's: each position's top token, one width)."""
     from random_targets import random_dflash_drafter, target_features
     from treeserve.drafter.dflash import DFlashDrafter
     from treeserve.drafter.trees import ddtree_select
 
     cpu_target = random_target("qwen3", seed=3, vocab_size=VOCAB, weight_scale=2.0)
-    model = random_dflash_drafter(cpu_target, "ddtree", block_size=16).model.to("cuda", dtype)
+    model = random_dflash_drafter(cpu_target, tree, block_size=16).model.to("cuda", dtype)
     target = cpu_target.to("cuda", dtype)
-    drafter = DFlashDrafter(model, target.model.embed_tokens.weight, target.lm_head.weight, "ddtree", max_batch=4,
+    drafter = DFlashDrafter(model, target.model.embed_tokens.weight, target.lm_head.weight, tree, max_batch=4,
                             graphs=True)
     drafter.capture()
     rng = random.Random(5)

@@ -287,32 +287,105 @@ def test_rope_equals_reference(n, heads, head_dim, dtype):
                                atol=tolerance, rtol=tolerance)
 
 
-DDTREE_CASES = [(shape, values, torch.bfloat16 if values == "ties" else torch.float32)
-                for shape in [(1, 3, 2), (2, 2, 5), (3, 5, 13), (7, 8, 16)]
-                for values in ("continuous", "ties", "ties and -inf")]
-DDTREE_CASES.append(((15, 16, 16), "ties and -inf", torch.bfloat16))  # the drafter's shape at its narrowest width
+# ------------------------------------------------------------------------------------------ the DDTree search
+
+# (depth, top_k, keep, batch): lists shorter than the width, one choice a position (the chain kind's), a width of
+# 1, the whole tree (keep = every possible node); each with two kinds of values, in float32 and a 16-bit dtype.
+DDTREE_SHAPES = [(1, 3, 2, 2), (1, 4, 4, 1), (2, 2, 5, 3), (2, 4, 1, 2), (3, 1, 2, 5), (3, 5, 13, 4), (3, 2, 14, 3),
+                 (7, 8, 16, 2), (7, 1, 7, 1)]
+DDTREE_VALUES = ("continuous", "ties", "ties and -inf", "repeated rows", "signed zeros")
+DDTREE_CASES = [pytest.param(shape, DDTREE_VALUES[(i + j) % len(DDTREE_VALUES)], dtype,
+                             id=f"{shape}-{DDTREE_VALUES[(i + j) % len(DDTREE_VALUES)]}-{str(dtype)[6:]}")
+                for i, shape in enumerate(DDTREE_SHAPES)
+                for j, dtype in enumerate([torch.float32, torch.float16 if i == 2 else torch.bfloat16])]
+# The drafter's shapes (block size 16) at the narrowest width and the chain's: seconds under the interpreter.
+DDTREE_CASES += [pytest.param((15, 16, 16, 2), "ties and -inf", torch.bfloat16, marks=pytest.mark.slow,
+                              id="drafter-ddtree-16"),
+                 pytest.param((15, 1, 15, 2), "ties", torch.float32, marks=pytest.mark.slow, id="drafter-chain")]
 
 
-@pytest.mark.parametrize("shape, values, dtype", DDTREE_CASES)
-def test_ddtree_search_equals_reference(shape, values, dtype):
-    """The DDTree search as one launch gives ddtree_select's packed trees and node log-probs exactly, ties included
-    (few distinct values make them everywhere; -inf scores tie too), for every budget from 0 to the width."""
-    from treeserve.drafter.trees import ddtree_select, ddtree_select_kernel
-
-    depth, top_k, keep = shape
-    g = torch.Generator().manual_seed(depth * 100 + keep)
-    batch = 4
+def ddtree_inputs(shape, values, dtype, seed):
+    """(log_probs, token_ids, budgets) of a search of `shape` (depth, top_k, keep, batch): the lists sorted
+    descending; few distinct values make ties everywhere (-inf scores tie too; so do -0.0 and +0.0); budgets from
+    the width down to 0."""
+    depth, top_k, keep, batch = shape
+    g = torch.Generator().manual_seed(seed)
     log_probs = torch.randn(batch, depth, top_k, generator=g) * 2 - 3
     if values != "continuous":
         log_probs = -torch.randint(0, 3, log_probs.shape, generator=g).float() / 2
     if values == "ties and -inf":
         log_probs[:, :, top_k // 2:] = float("-inf")
-    log_probs = log_probs.sort(dim=-1, descending=True).values.to(dtype).to(DEVICE)
-    token_ids = torch.randint(0, 50_000, log_probs.shape, generator=g).to(DEVICE)
-    budgets = torch.tensor([keep, 0, keep // 2, max(1, keep - 1)], device=DEVICE)
+    elif values == "repeated rows":  # every request's lists, and every position's, the same
+        log_probs[:] = log_probs[:1, :1]
+    elif values == "signed zeros":
+        log_probs = torch.where(log_probs == 0, torch.where(torch.rand(log_probs.shape, generator=g) < 0.5, 0.0, -0.0),
+                                log_probs)
+    log_probs = log_probs.sort(dim=-1, descending=True).values.to(dtype)
+    token_ids = torch.randint(0, 50_000, log_probs.shape, generator=g)
+    budgets = torch.tensor([keep, 0, *torch.randint(0, keep + 1, (batch,), generator=g).tolist()][:batch])
+    return log_probs.to(DEVICE), token_ids.to(DEVICE), budgets.to(DEVICE)
+
+
+@pytest.mark.parametrize("shape, values, dtype", DDTREE_CASES)
+def test_ddtree_search_equals_reference(shape, values, dtype):
+    """The DDTree search as one launch, a program per request, gives ddtree_select's packed trees and node
+    log-probs exactly, ties included, for budgets from 0 to the width."""
+    from treeserve.drafter.trees import ddtree_select, ddtree_select_kernel
+
+    log_probs, token_ids, budgets = ddtree_inputs(shape, values, dtype, seed=sum(shape))
+    keep = shape[2]
     want = ddtree_select(log_probs, token_ids, budgets, keep)
     got = ddtree_select_kernel(log_probs, token_ids, budgets, keep)
+    assert got[1].dtype == want[1].dtype
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_ddtree_search_reaches_each_positions_last_kept_token():
+    """A flat first position and unlikely later ones: the best tree of `keep` nodes is the root's first `keep`
+    children, the last of them position 1's keep-th token, so a search from lists cut shorter gives another tree."""
+    from treeserve.drafter.trees import ddtree_select, ddtree_select_kernel, unpack_trees
+
+    depth, keep = 3, 5
+    log_probs = torch.full((1, depth, keep + 2), -8.0)
+    log_probs[:, 0] = -1.0
+    token_ids = torch.arange(depth * (keep + 2)).view(log_probs.shape)
+    log_probs, token_ids, budgets = log_probs.to(DEVICE), token_ids.to(DEVICE), torch.tensor([keep], device=DEVICE)
+    packed, _ = ddtree_select_kernel(log_probs, token_ids, budgets, keep)
+    assert torch.equal(packed, ddtree_select(log_probs, token_ids, budgets, keep)[0])
+    tree, = unpack_trees([99], packed.tolist())
+    assert tree.tokens == [99, 0, 1, 2, 3, 4] and tree.parents == [-1, 0, 0, 0, 0, 0]
+    cut, _ = ddtree_select_kernel(log_probs[..., :keep - 1], token_ids[..., :keep - 1], budgets, keep)
+    assert not torch.equal(cut, packed)
+
+
+@pytest.mark.parametrize("tree, width, budgets", [
+    ("ddtree", 16, [16, 0, 9]), ("ddtree", 32, [32, 17, 1]),
+    ("chain", 3, [3, 0, 100])], ids=["ddtree-16", "ddtree-32", "chain"])  # a chain's budget may pass its length
+def test_the_dflash_drafters_search_in_one_launch_gives_the_pytorch_searchs_trees(tree, width, budgets):
+    """The DFlash drafter's search with kernels (as on a GPU, here under the interpreter) takes each position's top
+    `width` tokens into the kernel: the trees of the PyTorch search over the top max_budget tokens, as before (and
+    not from fewer: the first request's tree holds its first position's `width`-th token)."""
+    from random_targets import random_dflash_drafter, random_target
+    from treeserve.drafter.dflash import DFlashDrafter
+    from treeserve.drafter.trees import ddtree_select
+
+    cpu_target = random_target("qwen3", seed=3, vocab_size=96)
+    model = random_dflash_drafter(cpu_target, tree, block_size=4).model.to(DEVICE)
+    target = cpu_target.to(DEVICE)
+    drafter = DFlashDrafter(model, target.model.embed_tokens.weight, target.lm_head.weight, tree, max_batch=4)
+    g = torch.Generator().manual_seed(7)
+    batch, block = 3, model.config.block_size
+    logits = torch.randn(batch, block, 96, generator=g) * 3
+    logits[:, 1] /= 300  # a near-flat first position: a tree of `width` nodes there takes its `width`-th token
+    log_probs = torch.log_softmax(logits, dim=-1).to(DEVICE)
+    drafter.inputs.budgets[:batch] = torch.tensor(budgets)
+    top = log_probs[:, 1:].topk(drafter.top_k, dim=-1)  # the lists the search read before it took `width`
+    want, _ = ddtree_select(top.values, top.indices, torch.tensor(budgets, device=DEVICE), width)
+    drafter.kernels = False
+    assert torch.equal(drafter._search(log_probs, width)[0], want)
+    drafter.kernels = True
+    assert torch.equal(drafter._search(log_probs, width)[0], want)
+    assert top.indices[0, 0, min(width, drafter.top_k) - 1] in want[0, 1:1 + budgets[0]]
 
 
 # ------------------------------------------------------------------------------- a model over the paged cache
