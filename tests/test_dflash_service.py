@@ -111,6 +111,22 @@ def check_received_features(target, drafter, complete: bool = True):
     return checked
 
 
+def serve_prompts(tmp_path, target, drafter, speculation):
+    """PROMPTS at once through a verifier deciding by `speculation` and `drafter` served on a Unix socket; returns
+    the outputs and the verifier's link to the drafter (closed)."""
+    async def main():
+        drafter_service = await start_drafter(tmp_path, drafter)
+        link = DrafterLink(drafter_service.address, timeout_s=5.0)
+        verifier, scheduler, task = await start_verifier(tmp_path, target, link, speculation)
+        async with grpc.aio.insecure_channel(verifier.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            outputs = await asyncio.gather(*(collect(stub, request(p)) for p in PROMPTS))
+        await stop_all(task, verifier, link, drafter_service)
+        return outputs, link
+
+    return asyncio.run(main())
+
+
 @pytest.mark.parametrize("message_rows", [None, 3], ids=["one-message", "split-every-3-rows"])
 def test_dflash_through_the_services_is_lossless_and_gets_the_target_features(tmp_path, target, monkeypatch,
                                                                              message_rows):
@@ -167,18 +183,7 @@ def test_features_of_plain_rounds_reach_the_drafter_when_it_next_drafts(tmp_path
     """Rounds without a draft keep their features on the way to the host (FeatureBacklog); the next draft gets
     all of them, in order, and the output stays the target's own."""
     drafter = recording_drafter(target)
-
-    async def main():
-        drafter_service = await start_drafter(tmp_path, drafter)
-        link = DrafterLink(drafter_service.address, timeout_s=5.0)
-        verifier, scheduler, task = await start_verifier(tmp_path, target, link, EveryFifthRound())
-        async with grpc.aio.insecure_channel(verifier.address) as channel:
-            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
-            outputs = await asyncio.gather(*(collect(stub, request(p)) for p in PROMPTS))
-        await stop_all(task, verifier, link, drafter_service)
-        return outputs
-
-    outputs = asyncio.run(main())
+    outputs, _ = serve_prompts(tmp_path, target, drafter, EveryFifthRound())
     for prompt, output in zip(PROMPTS, outputs):
         assert output == expected(target, prompt)
     assert check_received_features(target, drafter) == len(PROMPTS)
@@ -231,19 +236,8 @@ def test_rounds_of_lookups_trees_alone_keep_the_merged_drafters_context(tmp_path
 
     merged.propose, merged.propose_lookup = recording_propose, recording_propose_lookup
     policy = OwnLookupPlain()
-
-    async def main():
-        drafter_service = await start_drafter(tmp_path, merged)
-        link = DrafterLink(drafter_service.address, timeout_s=5.0)
-        verifier, scheduler, task = await start_verifier(tmp_path, target, link, policy)
-        assert link.lookup_trees
-        async with grpc.aio.insecure_channel(verifier.address) as channel:
-            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
-            outputs = await asyncio.gather(*(collect(stub, request(p)) for p in PROMPTS))
-        await stop_all(task, verifier, link, drafter_service)
-        return outputs
-
-    outputs = asyncio.run(main())
+    outputs, link = serve_prompts(tmp_path, target, merged, policy)
+    assert link.lookup_trees
     for prompt, output in zip(PROMPTS, outputs):
         assert output == expected(target, prompt)
     assert check_received_features(target, drafter, complete=False) == len(PROMPTS)
