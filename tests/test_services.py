@@ -72,7 +72,9 @@ def test_bad_requests_get_invalid_argument(services):
 def test_a_cancelled_stream_frees_its_kv(services):
     async def cancel_after_first_message():
         async with grpc.aio.insecure_channel(services.gateway) as channel:
-            call = gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request(PROMPTS[0], 200))
+            # Plain decoding: one token a round, so that the request is still running when its KV is read (with
+            # trees, a tiny target's 200 tokens can be done before the scrape).
+            call = gateway_pb2_grpc.GatewayServiceStub(channel).Generate(request(PROMPTS[0], 200, disabled=True))
             await call.read()
             held = scrape(services.verifier_metrics)[("treeserve_verifier_kv_slots", ())]
             call.cancel()
