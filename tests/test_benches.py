@@ -114,17 +114,39 @@ def test_draft_profile_on_the_cpu(tmp_path):
     assert all(row["ms"][step] > 0 for step in STEPS) and all(row["ms"][step] == 0.0 for step in DEVICE_STEPS)
 
 
-def test_plain_round_on_the_cpu(tmp_path):
-    """A plain step in process, through the scheduler and behind gRPC, on a tiny target: each way timed."""
-    from treeserve.bench.plain_round import WAYS, main
+def test_round_ways_on_the_cpu(tmp_path):
+    """A plain step in process, through the scheduler, behind gRPC and through the three services, on a tiny
+    target: each way timed."""
+    from treeserve.bench.round_ways import WAYS, main
 
     target = tiny_models.write_hf_folder("qwen3", tmp_path / "model", seed=0)
-    out = tmp_path / "plain-round.json"
+    out = tmp_path / "round-ways.json"
     assert main(["--target", str(target), "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "6",
                  "--requests", "2", "--turns", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert all(len(report["ms_a_token"][way]) == 1 and report["ms_a_token"][way][0] > 0 for way in WAYS)
     assert report["share_of_in_process"]["in_process"] == 1.0
+
+
+def test_round_ways_times_a_drafters_rounds(tmp_path):
+    """With --drafter, its rounds in process and through the services, ms a round each."""
+    from treeserve.bench.round_ways import DRAFTED_WAYS, main
+
+    target = tiny_models.write_hf_folder("qwen3", tmp_path / "model", seed=0)
+    out = tmp_path / "round-ways.json"
+    assert main(["--target", str(target), "--device", "cpu", "--dtype", "float32", "--drafter", "ngram",
+                 "--budget", "4", "--max-new-tokens", "8", "--requests", "2", "--turns", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert (report["drafter"], report["budget"]) == ("ngram", 4)
+    assert all(report["ms_a_round"][way][0] > 0 for way in DRAFTED_WAYS)
+
+
+def test_round_ways_refuses_a_way_a_drafter_does_not_run(capsys):
+    from treeserve.bench.round_ways import main
+
+    with pytest.raises(SystemExit):
+        main(["--drafter", "ngram", "--ways", "scheduler"])
+    assert "--ways: scheduler" in capsys.readouterr().err
 
 
 def test_tree_round_on_the_cpu(tmp_path):
