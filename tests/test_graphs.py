@@ -12,7 +12,7 @@ import torch
 from random_targets import random_target, requests_in
 from treeserve.errors import TreeserveError
 from treeserve.models.paged_kv import PagedKVCache
-from treeserve.models.graphs import PagedRunner, TreeRows, buckets_up_to, padded_rows, stage_trees
+from treeserve.models.graphs import PagedRunner, buckets_up_to, packed_size, padded_rows, stage_trees
 from treeserve.tree import DraftTree
 from treeserve.verifier.graphs import TREE_BUCKETS, TreeVerifier
 
@@ -165,13 +165,28 @@ def test_prompts_in_pieces_match_one_packed_prefill(device):
 
 
 def test_replay_refuses_inputs_of_another_size():
-    static = torch.zeros(4, dtype=torch.long)
     model = random_target("llama")
     pool = PagedKVCache(model.config, 8, 4, torch.float32, "cpu")
     sequences, tokens, positions, masks = requests_in(pool, [2], [3], seed=0)
     staged = stage_trees(sequences, tokens, positions, masks, 1, 3, 4)
-    with pytest.raises(TreeserveError, match="graph input of shape"):
-        PagedRunner._load(TreeRows(static, static, staged.paged), staged)
+    with pytest.raises(TreeserveError, match="graph input of 3 rows"):
+        staged.copy_into(padded_rows(1, 4, 4))
+
+
+def test_inputs_reach_their_bucket_in_one_copy():
+    """A forward's inputs are views of one buffer in its (batch, rows) layout: copying its bytes copies every field,
+    and a buffer sized for the maxima holds any smaller layout."""
+    model = random_target("llama")
+    pool = PagedKVCache(model.config, 16, 4, torch.float32, "cpu")
+    sequences, tokens, positions, masks = requests_in(pool, [2, 5], [3, 2], seed=0)
+    staged = stage_trees(sequences, tokens, positions, masks, 2, 4, 6, into=padded_rows(4, 8, 6))
+    assert staged.packed.data_ptr() == staged.tokens.data_ptr() and staged.packed_bytes == packed_size(2, 4, 6)
+    target = padded_rows(4, 8, 6).view(2, 4)
+    staged.copy_into(target)
+    for mine, theirs in zip([staged.tokens, staged.positions, *staged.paged.tensors()],
+                            [target.tokens, target.positions, *target.paged.tensors()]):
+        assert torch.equal(mine, theirs)
+    assert (target.paged.slots >= 0).sum() == 5 and target.paged.new_counts.tolist() == [3, 2]
 
 
 def test_graphs_need_a_gpu():

@@ -63,8 +63,9 @@ class TreeVerifier:
         """Rank 0 of a tensor-parallel target: send every forward, capture and KV move to the other ranks first."""
         self.mirror = mirror
         self.pool.recorded_moves = []
-        self.runner.on_execute = lambda key, staged: mirror.send(
-            "run", key=key, staged=staged, feature_layer_ids=self.feature_layer_ids)
+        self.runner.on_execute = lambda key, staged: mirror.send(  # the staged bytes alone, not their whole buffer
+            "run", key=key, staged=staged.packed[:staged.packed_bytes], shape=staged.shape,
+            feature_layer_ids=self.feature_layer_ids)
 
     @property
     def use_graphs(self) -> bool:

@@ -101,6 +101,7 @@ class Mirror:
 def follow(model, group) -> int:
     """A follower rank's whole life after loading its shard: build the verifier rank 0 builds, then repeat its
     steps until it says stop. Returns an exit code."""
+    from treeserve.models.graphs import packed_rows
     from treeserve.models.paged_kv import PagedAttention
     from treeserve.verifier.graphs import build_verifier
 
@@ -129,7 +130,7 @@ def follow(model, group) -> int:
             verifier.time_graphs()
         elif step == "run":
             verifier.feature_layer_ids = payload["feature_layer_ids"]
-            verifier.runner.execute(payload["key"], payload["staged"])
+            verifier.runner.execute(payload["key"], packed_rows(payload["staged"], *payload["shape"]))
         elif step == "prefill":
             attention = PagedAttention.on_device(verifier.pool, payload["inputs"], verifier.kernels,
                                                  payload["packed_rows"])

@@ -66,36 +66,86 @@ def powers_of_two_up_to(maximum: int) -> tuple[int, ...]:
 @dataclasses.dataclass
 class TreeRows:
     """One forward's inputs, padded to (batch, rows); row b * rows + i is new row i of request b (a tree node,
-    or a position of a DFlash block)."""
+    or a position of a DFlash block).
+
+    `packed` is the one byte buffer all of them are views of, laid out for this (batch, rows) (`packed_rows`):
+    a forward's inputs then reach the GPU in one copy of its first `packed_bytes` bytes rather than one copy each."""
 
     tokens: torch.Tensor  # (batch * rows,) int64
     positions: torch.Tensor  # (batch * rows,) int64
     paged: PagedInputs
+    packed: torch.Tensor | None = None  # uint8, at least packed_bytes long
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(batch, rows, block-table width): what `packed_rows` lays a buffer out for."""
+        batch = self.paged.batch
+        return batch, self.tokens.shape[0] // batch, self.paged.tables.shape[1]
+
+    @property
+    def packed_bytes(self) -> int:
+        return packed_size(*self.shape)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "TreeRows":
+        if self.packed is not None:
+            return packed_rows(self.packed[:self.packed_bytes].to(device, non_blocking=non_blocking), *self.shape)
         return TreeRows(self.tokens.to(device, non_blocking=non_blocking),
                         self.positions.to(device, non_blocking=non_blocking), self.paged.to(device, non_blocking))
 
     def view(self, batch: int, rows: int) -> "TreeRows":
-        """The first (batch, rows) of rows laid out for a larger batch and rows (buffers sized for the maxima):
-        contiguous views, in the layout a forward of (batch, rows) has."""
-        n, paged = batch * rows, self.paged
-        mask = paged.tree_mask.view(-1)[:n * rows].view(batch, rows, rows)
-        return TreeRows(self.tokens[:n], self.positions[:n],
-                        PagedInputs(paged.slots[:n], paged.tables[:batch], paged.prefix_lens[:batch],
-                                    paged.new_counts[:batch], mask))
+        """Inputs of a forward of (batch, rows) in the buffer of these (sized for a larger batch and rows), laid out
+        anew: what they held is not kept."""
+        return packed_rows(self.packed, batch, rows, self.paged.tables.shape[1])
+
+    def copy_into(self, target: "TreeRows") -> None:
+        """Copy these inputs into `target`, of the same (batch, rows), in one copy (asynchronous from page-locked
+        memory to a GPU)."""
+        size = self.packed_bytes
+        if self.tokens.shape != target.tokens.shape or size != target.packed_bytes:
+            raise TreeserveError(f"graph input of {self.tokens.shape[0]} rows ({size} bytes) for a bucket of "
+                                 f"{target.tokens.shape[0]} rows ({target.packed_bytes} bytes)")
+        target.packed[:size].copy_(self.packed[:size], non_blocking=True)
 
 
-def padded_rows(batch: int, rows: int, table_width: int, pin: bool = False) -> TreeRows:
-    """Host tensors of a forward of (batch, rows), all padding: slot -1 (writes nowhere), everything else 0 (no
-    request, nothing seen) (`pin`: page-locked, so that copies to the GPU do not wait on them)."""
-    def zeros(*shape, dtype=torch.long):
-        return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+def packed_size(batch: int, rows: int, table_width: int) -> int:
+    """Bytes of a (batch, rows) forward's inputs in `packed_rows`' layout."""
+    n = batch * rows
+    return 3 * n * 8 + (batch * table_width + 2 * batch) * 4 + batch * rows * rows
 
-    paged = PagedInputs(torch.full((batch * rows,), -1, dtype=torch.long, pin_memory=pin),
-                        zeros(batch, table_width, dtype=torch.int32), zeros(batch, dtype=torch.int32),
-                        zeros(batch, dtype=torch.int32), zeros(batch, rows, rows, dtype=torch.int8))
-    return TreeRows(zeros(batch * rows), zeros(batch * rows), paged)
+
+def packed_rows(buffer: torch.Tensor, batch: int, rows: int, table_width: int) -> TreeRows:
+    """A (batch, rows) forward's inputs as views of the uint8 `buffer`: the int64 fields (tokens, positions,
+    slots), then the int32 ones (tables, prefix_lens, new_counts), then the int8 mask, so that each starts at an
+    offset its type aligns to. Their values are whatever the buffer holds."""
+    n, taken = batch * rows, 0
+
+    def field(count: int, dtype: torch.dtype) -> torch.Tensor:
+        nonlocal taken
+        size = count * dtype.itemsize
+        view = buffer[taken:taken + size].view(dtype)
+        taken += size
+        return view
+
+    tokens, positions, slots = field(n, torch.long), field(n, torch.long), field(n, torch.long)
+    tables = field(batch * table_width, torch.int32).view(batch, table_width)
+    prefix_lens, new_counts = field(batch, torch.int32), field(batch, torch.int32)
+    mask = field(batch * rows * rows, torch.int8).view(batch, rows, rows)
+    return TreeRows(tokens, positions, PagedInputs(slots, tables, prefix_lens, new_counts, mask), buffer)
+
+
+def pad(rows: TreeRows) -> TreeRows:
+    """Fill `rows` with padding: slot -1 (writes nowhere), everything else 0 (no request, nothing seen)."""
+    rows.packed[:rows.packed_bytes].zero_()
+    rows.paged.slots.fill_(-1)
+    return rows
+
+
+def padded_rows(batch: int, rows: int, table_width: int, pin: bool = False,
+                device: torch.device | str = "cpu") -> TreeRows:
+    """Inputs of a forward of (batch, rows), all padding, in one buffer (`pin`: page-locked host memory, so that
+    copies to the GPU do not wait on it)."""
+    buffer = torch.empty(packed_size(batch, rows, table_width), dtype=torch.uint8, pin_memory=pin, device=device)
+    return pad(packed_rows(buffer, batch, rows, table_width))
 
 
 def stage_trees(sequences: list[PagedSequence], tokens: list[list[int]], positions: list[np.ndarray],
@@ -276,7 +326,7 @@ class PagedRunner:
 
     def _allocate_static(self) -> TreeRows:
         """Every graph's inputs, at the maxima, holding padding (nothing read, nothing written)."""
-        return padded_rows(self.max_batch, self.max_rows, self.table_width).to(self.device)
+        return padded_rows(self.max_batch, self.max_rows, self.table_width, device=self.device)
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -292,7 +342,7 @@ class PagedRunner:
         torch.cuda.synchronize()
         with cycle_collection_paused():
             for batch, rows in sorted(self.buckets, reverse=True):
-                view = self.static.view(batch, rows)
+                view = pad(self.static.view(batch, rows))  # each bucket lays the buffer out anew
                 captured = capture_graph(lambda: self.forward(view), self.memory_pool)
                 self.memory_pool = captured.graph.pool()
                 self.graphs[(batch, rows)] = captured
@@ -377,7 +427,7 @@ class PagedRunner:
         static = self.static_views.get(key)
         if static is None:
             static = self.static_views[key] = self.static.view(*key)
-        self._load(static, staged)
+        staged.copy_into(static)
         self._copied()
         captured = self.graphs[key]
         captured.graph.replay()
@@ -397,14 +447,3 @@ class PagedRunner:
         """Mark (on a GPU) where the copies out of the last staging buffers end in the stream."""
         if self.staging_copied is not None:
             self.staging_copied[self.staged_in].record()
-
-    @staticmethod
-    def _load(static: TreeRows, staged: TreeRows) -> None:
-        """Copy a staged batch into a bucket's static inputs (asynchronously: `staged` is page-locked)."""
-        pairs = [(static.tokens, staged.tokens), (static.positions, staged.positions)]
-        pairs += zip(static.paged.tensors(), staged.paged.tensors())
-        for target, source in pairs:
-            if target.shape != source.shape:
-                raise TreeserveError(f"graph input of shape {tuple(source.shape)} for a bucket of "
-                                     f"{tuple(target.shape)}")
-            target.copy_(source, non_blocking=True)
