@@ -59,6 +59,11 @@ class PagedKVCache:
         # ranks can repeat it on their shards of the pool.
         self.recorded_moves: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.deferred_moves: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # inside `moves_together`
+        # On a GPU, page-locked buffers that moves' slot numbers are staged in, in turn (grown as needed), and each
+        # one's event that the copy out of it has ended.
+        self.move_staging: list[torch.Tensor | None] = [None, None]
+        self.move_copied = [torch.cuda.Event() for _ in self.move_staging] if self.data.is_cuda else []
+        self.move_turn = 0
 
     def move(self, source: torch.Tensor | list[int], target: torch.Tensor | list[int]) -> None:
         """Copy the keys and values of every layer at slots `source` to slots `target` (host tensors, or lists of
@@ -76,10 +81,25 @@ class PagedKVCache:
         if not slabs.is_cuda:
             kv_move_reference(slabs, source, target)
             return
-        # Page-locked: the copy does not make the host wait (a round waits once, for its picks).
-        source, target = torch.stack([source, target]).pin_memory().to(slabs.device, non_blocking=True)
+        source, target = self._slots_on_device(source, target)
         from treeserve.kernels.kv_move import kv_move  # (Triton: imported where a GPU is)
         kv_move(slabs, source, target)
+
+    def _slots_on_device(self, source: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A move's slot numbers on the GPU, in one copy from a page-locked buffer allocated once, so that the copy
+        does not make the host wait (a round waits once, for its picks)."""
+        count = len(source)
+        self.move_turn = (self.move_turn + 1) % len(self.move_staging)
+        staging = self.move_staging[self.move_turn]
+        if staging is None or len(staging) < 2 * count:
+            staging = self.move_staging[self.move_turn] = torch.empty(max(2 * count, 4096), dtype=torch.long,
+                                                                      pin_memory=True)
+        else:
+            self.move_copied[self.move_turn].synchronize()  # (its copy was queued a move back: long done)
+        staging[:count], staging[count:2 * count] = source, target
+        on_device = staging[:2 * count].to(self.data.device, non_blocking=True)
+        self.move_copied[self.move_turn].record()
+        return on_device[:count], on_device[count:]
 
     @property
     def slabs(self) -> torch.Tensor:
