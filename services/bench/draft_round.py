@@ -115,14 +115,12 @@ def stub_device_work(dflash, budget: int, seed: int) -> None:
     (bucket, width) whose output holds searched trees."""
     import torch
 
+    from treeserve.drafter.dflash import RoundInputs
+
     inputs = dflash.inputs
-    inputs.on_gpu = True  # host buffers apart from the device's, copies in, an event to wait for
-    inputs.host_longs = inputs.longs.clone()
-    inputs.host_budgets, inputs.host_slots, inputs.host_positions = (
-        part.numpy() for part in inputs.host_longs.split([len(inputs.budgets), len(inputs.slots),
-                                                          len(inputs.positions)]))
-    inputs.host_features = inputs.features.clone()
-    inputs.copied = NoEvent()
+    dflash.inputs = RoundInputs(len(inputs.budgets), len(inputs.slots), dflash.feature_size, dflash.model.dtype,
+                                dflash.model.device, copied_in=True)
+    dflash.inputs.copied = NoEvent()
     runner = dflash.runner
     runner.static = runner._allocate_static()
     runner.staging_copied = [NoEvent() for _ in range(runner.STAGING_BUFFERS)]
