@@ -159,29 +159,32 @@ class Scheduler:
             if not self.waiting and not self.running:  # (a request may have come while the drops went out)
                 self.wake.clear()
                 await self.wake.wait()
-            self._admit()
-            spans = {}
-            try:
-                started = time.perf_counter()
-                self._stop_drafting_where_it_does_not_pay()
-                await self._reconnect()
-                spans = self._round_spans()
-                carriers = {request_id: self.tracing.carrier(span) for request_id, span in spans.items()}
-                report = await speculative_round(self.running, self.speculation, self.runner, carriers)
-                self._observe(report, spans, started)
-            except RankLost as error:
-                self.lose(error)
-            except Exception as error:
-                if self.verifier.mirror is not None:  # the ranks may have parted ways mid-forward: no next round
-                    log.exception("round failed")
-                    self.lose(RankLost(f"a round failed on a tensor-parallel verifier ({error})"))
-                    continue
-                # A bug or device failure: fail this batch, keep serving the next.
-                log.exception("round failed")
+            await self.run_round()
+
+    async def run_round(self) -> None:
+        """Admit what fits, then one round of the running batch, observed; a round that fails fails its batch
+        (or, under tensor parallelism, loses the service)."""
+        self._admit()
+        spans = {}
+        try:
+            started = time.perf_counter()
+            self._stop_drafting_where_it_does_not_pay()
+            await self._reconnect()
+            spans = self._round_spans()
+            carriers = {request_id: self.tracing.carrier(span) for request_id, span in spans.items()}
+            report = await speculative_round(self.running, self.speculation, self.runner, carriers)
+            self._observe(report, spans, started)
+        except RankLost as error:
+            self.lose(error)
+        except Exception as error:
+            log.exception("round failed")
+            if self.verifier.mirror is not None:  # the ranks may have parted ways mid-forward: no next round
+                self.lose(RankLost(f"a round failed on a tensor-parallel verifier ({error})"))
+            else:  # a bug or device failure: fail this batch, keep serving the next
                 self._fail(list(self.running), error)
-            finally:
-                for span in spans.values():
-                    span.end()
+        finally:
+            for span in spans.values():
+                span.end()
 
     def _admit(self) -> None:
         """Waiting requests join the batch, first come first served, while they have places and KV room."""
