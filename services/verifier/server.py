@@ -228,6 +228,8 @@ class Scheduler:
     async def _reconnect(self) -> None:
         """Drafters that are down are tried again (as their backoff allows); a request whose drafter stays down
         moves to one that works."""
+        if all(link.up for link in self.links):  # (most rounds)
+            return
         for entry in list(self.running.values()):  # (a request may be cancelled while a drafter is tried)
             if entry.link is not None and not entry.link.up and not await self.connect(entry.link):
                 healthy = [link for link in self.links if link.up]
@@ -263,7 +265,7 @@ class Scheduler:
         metrics = self.metrics
         if report.choice is not None:
             metrics.round_budget.set(report.choice.budget)
-            metrics.rounds_by_budget.labels(budget=report.choice.label).inc()
+            metrics.rounds_chosen(report.choice.label).inc()
         for found in report.drafts:
             if found.trees:
                 metrics.phase_seconds["draft"].observe(found.propose_s)
@@ -290,12 +292,12 @@ class Scheduler:
         if report.choice is None or report.choice.expected is None:
             return
         expected_tokens, expected_s = report.choice.expected
-        label = report.choice.label
-        self.metrics.checked_rounds.labels(budget=label).inc()
-        self.metrics.checked_tokens.labels(budget=label, kind="expected").inc(expected_tokens)
-        self.metrics.checked_tokens.labels(budget=label, kind="realized").inc(report.tokens)
-        self.metrics.checked_seconds.labels(budget=label, kind="expected").inc(expected_s)
-        self.metrics.checked_seconds.labels(budget=label, kind="realized").inc(seconds)
+        checked = self.metrics.checked(report.choice.label)
+        checked.rounds.inc()
+        checked.expected_tokens.inc(expected_tokens)
+        checked.realized_tokens.inc(report.tokens)
+        checked.expected_seconds.inc(expected_s)
+        checked.realized_seconds.inc(seconds)
 
 
 def round_attributes(request: RequestReport, report: RoundReport) -> dict:
