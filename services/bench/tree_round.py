@@ -23,9 +23,10 @@ recorded at the loop's next turn included), with adaptive speculation deciding p
 tree buckets priced far above a plain round, no tries, no giving up), at each batch three times: requests that
 decode plainly (speculation disabled), requests that could draft (a connected drafter that conditions on
 --feature-layers, so they keep their features: what a drafting request costs in a plain round), and one such
-request among plain ones. The forward runs on the loop's thread, as on one GPU; the drafter is never called. The
-three alternate in blocks of rounds, so that a drift of the machine moves them all; figures are microseconds a
-round (median, mean, 90th percentile).
+request among plain ones. The forward runs on the loop's thread, as on one GPU; the drafter is never called; what
+setting up made is frozen out of the garbage collector's reach, as a service freezes its startup's. The three
+alternate in blocks of rounds, so that a drift of the machine moves them all; figures are microseconds a round
+(median, mean, 90th percentile).
 """
 
 from __future__ import annotations
@@ -328,6 +329,8 @@ async def measure_scheduler_cells(target, args, batch: int) -> list[dict]:
     round pays whatever the number of such requests), alternating in blocks of rounds."""
     import torch
 
+    from treeserve.serving import freeze_startup_objects
+
     drafting = {"plain": 0, "drafting": batch, "one drafting": 1}
     cells = {name: scheduler_for(target, args, batch, count) for name, count in drafting.items()}
     samples: dict[str, list[float]] = {name: [] for name in cells}
@@ -339,6 +342,7 @@ async def measure_scheduler_cells(target, args, batch: int) -> list[dict]:
             scheduler.runner.feature_backlog.flush()  # their features (rows of the stubbed forwards are narrower)
         for scheduler, _ in cells.values():
             stack.enter_context(device_work_stubbed(scheduler.verifier, args.feature_layers))
+        freeze_startup_objects()  # as a service does once started: a full collection walks only what serving made
         wanted = args.warm_up + args.rounds
         for name, (scheduler, streams) in itertools.cycle(cells.items()):
             if all(len(taken) == wanted for taken in samples.values()):
