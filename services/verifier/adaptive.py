@@ -457,7 +457,8 @@ class AdaptiveSpeculation:
         tokens) when that was checked on the drafter's own trees."""
         model = self.lookup_acceptance if report.lookup else self.acceptance
         for request in report.requests:
-            model.observe(request.request_id, request.tree_nodes, request.committed)
+            if request.tree_nodes:  # (a plain step, or a prefill, observes no acceptance)
+                model.observe(request.request_id, request.tree_nodes, request.committed)
             if request.lookup_accepted is not None:  # an own tree's lookup chain, of at most half its budget
                 self.lookup_acceptance.observe(request.request_id, report.budgets.get(request.request_id, 0) // 2,
                                                request.lookup_accepted + 1)
