@@ -271,8 +271,9 @@ class Scheduler:
                 metrics.phase_seconds["draft"].observe(found.propose_s)
                 transport_s = max(0.0, found.round_trip_s - found.propose_s)
                 metrics.phase_seconds["transport"].observe(transport_s)
+        tokens = report.tokens
         if report.forward_batch:
-            metrics.generated_tokens.inc(report.tokens)
+            metrics.generated_tokens.inc(tokens)
             metrics.record_trees([(request.tree_nodes, request.accepted) for request in report.requests
                                   if not request.prompt_tokens])
             metrics.phase_seconds["verify"].observe(report.verify_s + report.emit_s)
@@ -283,9 +284,9 @@ class Scheduler:
         if report.with_prompts:  # beside all rounds: where a mode's rounds with prompts cost more, and how many
             metrics.phase_seconds["round_with_prompts"].observe(seconds)
         else:
-            self._check_expectation(report, seconds)
+            self._check_expectation(report, tokens, seconds)
 
-    def _check_expectation(self, report: RoundReport, seconds: float) -> None:
+    def _check_expectation(self, report: RoundReport, tokens: int, seconds: float) -> None:
         """The tokens and seconds the policy's choice expected of this round, beside what it emitted and took (by
         budget, in the metrics): where its model of costs and acceptance errs, and which way. Not for a round that
         prefilled a prompt, whose work was not in the estimate."""
@@ -295,7 +296,7 @@ class Scheduler:
         checked = self.metrics.checked(report.choice.label)
         checked.rounds.inc()
         checked.expected_tokens.inc(expected_tokens)
-        checked.realized_tokens.inc(report.tokens)
+        checked.realized_tokens.inc(tokens)
         checked.expected_seconds.inc(expected_s)
         checked.realized_seconds.inc(seconds)
 
@@ -345,17 +346,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             if requested > MAX_BUDGET:
                 raise TreeserveError(f"budget must be between 1 and {MAX_BUDGET}, got {requested}")
             budget = 0 if request.speculation.disabled or not self.links else requested
-
-            def generation_with(budget: int) -> Generation:  # (checks the request)
-                # A speculating request keeps its target features in case its drafter conditions on them.
-                features = self.scheduler.feature_layer_ids if budget > 0 else ()
-                return Generation(self.target.model, self.target.tokenizer, list(request.prompt_token_ids),
-                                  params, None, budget, features, verifier=self.scheduler.verifier)
-
-            generation = generation_with(budget)
+            # A speculating request keeps its target features in case its drafter conditions on them. (Generation
+            # checks the request.)
+            features = self.scheduler.feature_layer_ids if budget > 0 else ()
+            generation = Generation(self.target.model, self.target.tokenizer, list(request.prompt_token_ids),
+                                    params, None, budget, features, verifier=self.scheduler.verifier)
             if budget and not self.scheduler.speculates_new_request():
                 budget = 0  # drafting does not pay at this load: plain decoding, without its bookkeeping
-                generation = generation_with(budget)
+                generation.stop_drafting()
         except TreeserveError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         request_id = f"{request.request_id or 'request'}-{uuid.uuid4().hex[:8]}"
