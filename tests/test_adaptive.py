@@ -16,8 +16,8 @@ from helpers import PROMPTS, SERVING, Services, expected, health, request, run_a
 from treeserve.loading import load_target
 from treeserve.telemetry import round_totals
 from treeserve.tree import DraftTree
-from treeserve.verifier.adaptive import (BUDGET_STEPS, AdaptiveSpeculation, Calibration, ExpectedDrafts, Exploration,
-                                         GiveUp, RecentCost, tokens_per_round)
+from treeserve.verifier.adaptive import (BUDGET_STEPS, AdaptiveSpeculation, Calibration, Exploration, GiveUp,
+                                         RecentCost)
 from treeserve.verifier.drafter_link import DraftRound, catches_up
 from treeserve.verifier.round import Choice, RequestReport, RoundReport
 
@@ -478,22 +478,6 @@ def test_a_round_emits_at_most_its_budget_plus_one():
     assert adaptive.acceptance.slope("a") > 1.5
     expected_tokens = adaptive.acceptance.expected_tokens
     assert expected_tokens("a", 1) == 2.0 and 4.5 < expected_tokens("a", 4) <= 5.0
-
-
-def test_expected_drafts_sum_what_each_request_is_expected_to_add():
-    """ExpectedDrafts: the choice's sum over requests of tokens_per_round(slope, min(budget, own)) - 1, bit for bit
-    that sum in request order, whether the budget is within every request's own or not."""
-    import random
-
-    rng = random.Random(0)
-    for _ in range(200):
-        count = rng.randrange(1, 70)
-        slopes = [rng.choice([0.0, rng.random(), 3 * rng.random()]) for _ in range(count)]
-        owns = [rng.choice([1, 4, 16, 32, 32, 128]) for _ in range(count)]
-        expected = ExpectedDrafts(slopes, owns)
-        for budget in (1, 2, 4, 8, 16, 32, 64, 128):
-            assert expected.at(budget) == sum(tokens_per_round(slope, min(budget, own)) - 1
-                                              for slope, own in zip(slopes, owns))
 
 
 def test_bounds_and_own_budgets_cap_the_choice():

@@ -188,21 +188,6 @@ def test_draft_round_on_the_cpu(tmp_path):
     assert report["command"].startswith("python -m treeserve.bench.draft_round --target")
 
 
-def test_tree_round_through_the_scheduler_on_the_cpu(tmp_path):
-    """Whole rounds through the scheduler, adaptive speculation deciding plain decoding in every one, for plain
-    requests, requests that could draft (their features kept) and one such among plain ones."""
-    from treeserve.bench.tree_round import main
-
-    target = tiny_models.write_hf_folder("qwen3", tmp_path / "model", seed=0)
-    out = tmp_path / "tree-round.json"
-    assert main(["--target", str(target), "--scheduler", "--batches", "1,3", "--feature-layers", "0,1",
-                 "--context", "8", "--rounds", "8", "--warm-up", "2", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    cells = ["plain", "drafting", "one drafting"]
-    assert [(row["batch"], row["requests"]) for row in rows] == [(batch, cell) for batch in (1, 3) for cell in cells]
-    assert all(0 < row["us"]["median"] <= row["us"]["p90"] for row in rows)
-
-
 @pytest.mark.slow
 def test_service_profile_on_the_cpu(tmp_path):
     """A second of each mode through the three services: tokens, the verifier's phases, and (where py-spy is

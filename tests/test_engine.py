@@ -327,39 +327,6 @@ def test_kept_features_flushed_every_round_are_each_requests_own_rows():
         assert torch.cat(request.chunks).tolist() == expected[id(request)]
 
 
-def test_kept_features_piled_over_rounds_are_each_requests_own_rows():
-    """FeatureBacklog over runs of rounds between flushes, as plain rounds pile them: rounds where every request's
-    rows are one run of one output (plain steps, prompts), rounds of scattered accepted nodes, requests that come
-    and go; each request gets its rows in round order, whatever the next round writes."""
-    import random
-
-    from treeserve.verifier.engine import FeatureBacklog, TargetFeatures
-    from treeserve.verifier.rows import Rows
-
-    rng = random.Random(1)
-    requests = [TargetFeatures((0,), keep=True) for _ in range(6)]
-    expected = {id(request): [] for request in requests}
-    backlog = FeatureBacklog()
-    output = torch.empty(6 * 9, 2)
-    for number in range(120):
-        output.copy_(torch.arange(108, dtype=torch.float32).view(54, 2) + 1000 * number)
-        keeping = requests if rng.random() < 0.6 else rng.sample(requests, rng.randrange(1, 7))
-        for b, request in enumerate(keeping):
-            if rng.random() < 0.8:  # one run: a plain step's row, or a prompt's or accepted prefix's rows
-                index = range(9 * b, 9 * b + rng.choice([1, 1, 1, rng.randrange(1, 10)]))
-            else:
-                index = sorted(rng.sample(range(9 * b, 9 * b + 9), rng.randrange(1, 10)))
-            request.last = Rows(output, index)
-            expected[id(request)] += output[list(index)].tolist()
-        backlog.add(keeping)
-        output.fill_(-1)
-        if rng.random() < 0.1:
-            backlog.flush()
-    backlog.flush()
-    for request in requests:
-        assert torch.cat(request.chunks).tolist() == expected[id(request)]
-
-
 def test_committing_a_round_stops_where_checking_every_token_stops():
     """Generation._commit against its definition (each token appended, then the stop checks on the output so
     far, until one ends it), on random rounds with stop tokens, EOS, stop strings and length limits."""

@@ -17,16 +17,6 @@ features of --feature-layers, as a verifier linked to a DFlash or merged drafter
 
 Each figure is the median host microseconds of a phase over --rounds rounds after --warm-up rounds; `total` is
 the median of the rounds' sums.
-
-With --scheduler, whole rounds instead, as the verifier's scheduler runs them (`Scheduler.run_round`, its metrics
-recorded at the loop's next turn included), with adaptive speculation deciding plain decoding in every round (its
-tree buckets priced far above a plain round, no tries, no giving up), at each batch three times: requests that
-decode plainly (speculation disabled), requests that could draft (a connected drafter that conditions on
---feature-layers, so they keep their features: what a drafting request costs in a plain round), and one such
-request among plain ones. The forward runs on the loop's thread, as on one GPU; the drafter is never called; what
-setting up made is frozen out of the garbage collector's reach, as a service freezes its startup's. The three
-alternate in blocks of rounds, so that a drift of the machine moves them all; figures are microseconds a round
-(median, mean, 90th percentile).
 """
 
 from __future__ import annotations
@@ -34,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import random
 import statistics
@@ -67,9 +56,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=200, help="rounds timed per cell (default %(default)s)")
     parser.add_argument("--warm-up", type=int, default=20, help="rounds before them (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="default %(default)s")
-    parser.add_argument("--scheduler", action="store_true",
-                        help="whole rounds through the scheduler, adaptive speculation deciding plain, for requests "
-                             "that decode plainly and for requests that could draft (--budgets is ignored)")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
@@ -255,121 +241,6 @@ def timed_rounds(model, verifier, generations: list, backlog, trees: list, layer
     return samples, accepted
 
 
-class IdleDrafter:
-    """What the scheduler reads of a connected drafter (a merged one, conditioning on `feature_layer_ids`) that is
-    never asked for a tree: the policy decides plain decoding in every round."""
-
-    address, up, lookup_trees, max_budget = "idle", True, True, 128
-
-    def __init__(self, feature_layer_ids: tuple[int, ...]):
-        self.feature_layer_ids = feature_layer_ids
-
-    def forget(self, request_id: str) -> None:
-        pass
-
-    async def draft(self, *args, **kwargs):
-        raise TreeserveError("the policy asked for a tree in a round meant to decide plain decoding")
-
-    async def send_drops(self) -> None:
-        pass
-
-
-def plain_deciding_policy(batch: int):
-    """Adaptive speculation that decides plain decoding in every round at this batch: every tree bucket's
-    verification priced far above any plain round, no tries, and no giving up (every request that could draft
-    keeps its drafter)."""
-    import math
-
-    from treeserve.verifier.adaptive import AdaptiveSpeculation, RecentCost
-    from treeserve.verifier.graphs import TREE_BUCKETS
-
-    policy = AdaptiveSpeculation(explore_every=1 << 40, give_up_after_s=math.inf)
-    for nodes in TREE_BUCKETS[1:]:
-        for _ in range(RecentCost.SETTLED):
-            policy.costs.observe_verify(batch, nodes, 1.0)
-    return policy
-
-
-def scheduler_for(target, args, batch: int, drafting: int):
-    """A scheduler of `batch` requests with random prompts of --context tokens, waiting for their prefill: the first
-    `drafting` could draft (budget 32, a connected drafter, their features kept), the others decode plainly
-    (speculation disabled). Returns the scheduler and the requests' streams."""
-    from treeserve.params import GenerationParams
-    from treeserve.verifier.engine import Generation
-    from treeserve.verifier.graphs import build_verifier
-    from treeserve.verifier.round import forward_and_picks
-    from treeserve.verifier.server import Scheduler
-
-    model, cfg, most = target.model, target.model.config, 32
-    max_new = args.warm_up + args.rounds + 2  # a token a round: no request finishes before its rounds do
-    verifier = build_verifier(model, batch, kv_cache_tokens=batch * (args.context + max_new + most + 16))
-    layers = args.feature_layers
-    scheduler = Scheduler(target, verifier, [IdleDrafter(layers)], batch, speculation=plain_deciding_policy(batch))
-    runner = scheduler.runner
-    runner.feature_layer_ids = layers  # the drafter's, as once it connected: every forward computes them
-
-    async def forward_on_the_loop(plans, generations):  # as on one GPU: no worker thread
-        return forward_and_picks(runner.model, plans, runner.feature_layer_ids, runner.verifier, generations)
-
-    runner.forward = forward_on_the_loop
-    rng = random.Random(args.seed)
-    streams = []
-    for i in range(batch):
-        prompt, budget = [rng.randrange(cfg.vocab_size) for _ in range(args.context)], most if i < drafting else 0
-        generation = Generation(model, target.tokenizer, prompt, GenerationParams(max_new_tokens=max_new,
-                                ignore_eos=True), None, budget, layers if budget else (), verifier=verifier)
-        streams.append(scheduler.submit(f"r{i}", generation))
-    scheduler.speculation.tried.update(scheduler.waiting)  # as if each had had its first try (a lone request's)
-    return scheduler, streams
-
-
-async def measure_scheduler_cells(target, args, batch: int) -> list[dict]:
-    """Microseconds of whole rounds through the scheduler at `batch`, adaptive speculation deciding plain: for
-    requests that decode plainly, for requests that could draft, and for one that could among plain ones (what a
-    round pays whatever the number of such requests), alternating in blocks of rounds."""
-    import torch
-
-    from treeserve.serving import freeze_startup_objects
-
-    drafting = {"plain": 0, "drafting": batch, "one drafting": 1}
-    cells = {name: scheduler_for(target, args, batch, count) for name, count in drafting.items()}
-    samples: dict[str, list[float]] = {name: [] for name in cells}
-    block = max(1, min(25, args.rounds // 4))
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.inference_mode())
-        for scheduler, _ in cells.values():
-            await scheduler.run_round()  # the prefills, for real
-            scheduler.runner.feature_backlog.flush()  # their features (rows of the stubbed forwards are narrower)
-        for scheduler, _ in cells.values():
-            stack.enter_context(device_work_stubbed(scheduler.verifier, args.feature_layers))
-        freeze_startup_objects()  # as a service does once started: a full collection walks only what serving made
-        wanted = args.warm_up + args.rounds
-        for name, (scheduler, streams) in itertools.cycle(cells.items()):
-            if all(len(taken) == wanted for taken in samples.values()):
-                break
-            for _ in range(min(block, wanted - len(samples[name]))):
-                started = time.perf_counter()
-                await scheduler.run_round()
-                await asyncio.sleep(0)  # the round's metrics, recorded at the loop's next turn
-                samples[name].append((time.perf_counter() - started) * 1e6)
-                for stream in streams:
-                    while not stream.empty():
-                        if isinstance(message := stream.get_nowait(), Exception):
-                            raise TreeserveError(f"a round failed: {message}")
-    rows = []
-    for name, (scheduler, _) in cells.items():
-        asking = [entry.asks_for_a_tree for entry in scheduler.running.values()]
-        if len(asking) != batch or sum(asking) != drafting[name]:
-            raise TreeserveError(f"the {name} requests did not stay as meant: finished, or stopped drafting")
-        timed = samples[name][args.warm_up:]
-        rows.append({"mode": "scheduler", "requests": name, "batch": batch, "us": {
-            "median": round(statistics.median(timed), 1), "mean": round(statistics.mean(timed), 1),
-            "p90": round(statistics.quantiles(timed, n=10)[-1], 1)}})
-        for generation in (entry.generation for entry in scheduler.running.values()):
-            generation.release()
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -380,12 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target = load_target(args.target, "cpu", args.dtype)
         rows = []
-        for batch in args.batches if args.scheduler else ():
-            for row in asyncio.run(measure_scheduler_cells(target, args, batch)):
-                rows.append(row)
-                print(f"tree_round: through the scheduler, batch {batch}, requests {row['requests']}: " + ", ".join(
-                    f"{name} {us:.1f}" for name, us in row["us"].items()) + " us", file=sys.stderr, flush=True)
-        for budget in args.budgets if not args.scheduler else ():
+        for budget in args.budgets:
             for batch in args.batches:
                 rows.append(measure_cell(target, args, budget, batch))
                 print(f"tree_round: budget {budget}, batch {batch}: " + ", ".join(

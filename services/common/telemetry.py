@@ -16,7 +16,7 @@ import collections
 import dataclasses
 import logging
 import os
-from typing import Iterable, Mapping, NamedTuple
+from typing import Iterable, Mapping
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -173,28 +173,6 @@ class VerifierMetrics:
             "treeserve_verifier_realized_over_expected", "Adaptive speculation: drafted tokens that recent "
             "speculative rounds at this batch bucket emitted over what its model expected (it scales the model)",
             ["batch"], registry=r)
-        # Each choice's series, bound on first use: labels() in every round is a visible part of a small target's.
-        self._rounds_chosen: dict[str, Counter] = {}
-        self._checked: dict[str, CheckedCounters] = {}
-
-    def rounds_chosen(self, label: str) -> Counter:
-        """`rounds_by_budget` of the choice `label` (a budget, or lookup-N)."""
-        counter = self._rounds_chosen.get(label)
-        if counter is None:
-            counter = self._rounds_chosen[label] = self.rounds_by_budget.labels(budget=label)
-        return counter
-
-    def checked(self, label: str) -> CheckedCounters:
-        """The checked_* series of the choice `label`."""
-        counters = self._checked.get(label)
-        if counters is None:
-            counters = self._checked[label] = CheckedCounters(
-                self.checked_rounds.labels(budget=label),
-                self.checked_tokens.labels(budget=label, kind="expected"),
-                self.checked_tokens.labels(budget=label, kind="realized"),
-                self.checked_seconds.labels(budget=label, kind="expected"),
-                self.checked_seconds.labels(budget=label, kind="realized"))
-        return counters
 
     def record_trees(self, trees: list[tuple[int, int]]) -> None:
         """A round's verified trees, as (drafted nodes, accepted depth) per request (0 drafted: a plain step,
@@ -209,16 +187,6 @@ class VerifierMetrics:
         reached = collections.Counter(depth for _, accepted in drafted for depth in range(1, accepted + 1))
         for depth, count in reached.items():
             self.accepted_by_position.labels(position=str(depth)).inc(count)
-
-
-class CheckedCounters(NamedTuple):
-    """A choice's series of VerifierMetrics.checked_*: rounds, and their tokens and seconds expected and realized."""
-
-    rounds: Counter
-    expected_tokens: Counter
-    realized_tokens: Counter
-    expected_seconds: Counter
-    realized_seconds: Counter
 
 
 class DrafterMetrics:

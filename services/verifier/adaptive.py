@@ -115,25 +115,6 @@ def tokens_per_round(slope: float, budget: int) -> float:
     return min(1.0 + budget, 1.0 + slope * math.log2(1 + budget))
 
 
-# log2(1 + budget) of every budget, worked out once: the choice takes it for every request and candidate budget.
-LOG2_1P = [math.log2(1 + budget) for budget in range(MAX_BUDGET + 1)]
-
-
-class ExpectedDrafts:
-    """What a round at a budget is expected to draft beyond one token a request, for requests of these slopes and
-    own budgets: the sum over them of tokens_per_round(slope, min(budget, own)) - 1, in their order (term for term
-    that sum), without a call a request where the budget is within every request's own (most candidates)."""
-
-    def __init__(self, slopes: list[float], owns: list[int]):
-        self.slopes, self.owns, self.least_own = slopes, owns, min(owns)
-
-    def at(self, budget: int) -> float:
-        if budget > self.least_own:
-            return sum([tokens_per_round(slope, min(budget, own)) - 1 for slope, own in zip(self.slopes, self.owns)])
-        cap, log_budget = 1.0 + budget, LOG2_1P[budget]
-        return sum([min(cap, 1.0 + slope * log_budget) - 1 for slope in self.slopes])
-
-
 def batch_bucket(batch: int) -> int:
     """The power of two at or above `batch`: the padded batch its CUDA graph runs (up to --max-batch), so costs
     measured at 40 requests also price 50, and a batch size met for the first time is not unmeasured."""
@@ -289,8 +270,10 @@ class AcceptanceModel:
 
     def age(self, request_ids, share: float) -> None:
         """These requests' own evidence counts `share` less (a plain round, which observes no acceptance)."""
-        for request_id in self.slopes.keys() & request_ids:  # (those that have any: often few of them)
-            self.slopes[request_id].age(share)
+        for request_id in request_ids:
+            own = self.slopes.get(request_id)
+            if own is not None:
+                own.age(share)
 
     def forget(self, request_id: str) -> None:
         self.slopes.pop(request_id, None)
@@ -447,9 +430,7 @@ class AdaptiveSpeculation:
         if not asked:
             return {}, None
         choice = self.choose(asked, batch, lookup)
-        if choice.budget == 0:
-            return {}, choice
-        return {request_id: min(choice.budget, own) for request_id, own in asked.items()}, choice
+        return {request_id: min(choice.budget, own) for request_id, own in asked.items() if choice.budget > 0}, choice
 
     def observe(self, report: RoundReport) -> tuple[int, float] | None:
         """Learn from a round: its trees' acceptance, its drafters' and its verification's costs, and what its
@@ -457,8 +438,7 @@ class AdaptiveSpeculation:
         tokens) when that was checked on the drafter's own trees."""
         model = self.lookup_acceptance if report.lookup else self.acceptance
         for request in report.requests:
-            if request.tree_nodes:  # (a plain step, or a prefill, observes no acceptance)
-                model.observe(request.request_id, request.tree_nodes, request.committed)
+            model.observe(request.request_id, request.tree_nodes, request.committed)
             if request.lookup_accepted is not None:  # an own tree's lookup chain, of at most half its budget
                 self.lookup_acceptance.observe(request.request_id, report.budgets.get(request.request_id, 0) // 2,
                                                request.lookup_accepted + 1)
@@ -530,7 +510,7 @@ class AdaptiveSpeculation:
         for source in (False, True) if lookup else (False,):
             model = self.lookup_acceptance if source else self.acceptance
             overall = model.overall_slope()
-            expected = ExpectedDrafts([model.slope(request_id, overall) for request_id in asked], list(asked.values()))
+            slopes = [(model.slope(request_id, overall), own) for request_id, own in asked.items()]
             factor = model.calibration_factor(batch)
             for step in steps:
                 if source and step == 0:
@@ -539,7 +519,7 @@ class AdaptiveSpeculation:
                 seconds[key] = self.costs.round_seconds(batch, step, source)
                 if seconds[key] is None:  # nothing measured at this batch size yet: speculate as asked, and learn
                     return Choice(most)
-                drafted[key] = expected.at(step) if step else 0.0
+                drafted[key] = sum(tokens_per_round(slope, min(step, own)) - 1 for slope, own in slopes) if step else 0.0
                 gained[key] = factor * drafted[key]
                 rates[key] = (batch + gained[key]) / max(seconds[key], 1e-9)
         best = max(rates, key=lambda key: (rates[key], -key[1]))  # ties: the smaller tree

@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import itertools
 import time
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -205,7 +204,8 @@ class FeatureBacklog:
     def __init__(self):
         self.copies: list[torch.Tensor] = []  # each round's copied rows, one run of each source's
         self.piled_rows = 0  # rows in `copies`
-        self.kept: list[KeptRound] = []  # each round's rows of the requests, in the piled copies
+        # (a request's features, its kept rows of one round: a range or a list of row numbers in the piled copies)
+        self.kept: list[tuple[TargetFeatures, range | list[int]]] = []
         self.rounds = self.bytes = 0
         self.copied: torch.cuda.Event | None = None  # where the last copy to the host ends, while one may run
 
@@ -215,46 +215,31 @@ class FeatureBacklog:
         gathering them by index here would make an index and page-lock it in every round."""
         if not requests:
             return
-        lasts = [features.last for features in requests]
-        source, indexes = lasts[0].source, [rows.index for rows in lasts]
-        if all(map(is_run, indexes)) and all(rows.source is source for rows in lasts):
-            # Most rounds: each request's rows one run of one output (a plain step's row, a prompt, accepted nodes
-            # that lead their tree), kept as where the runs start and stop, without more work per request.
-            starts, stops = [index.start for index in indexes], [index.stop for index in indexes]
-            first = min(starts)
-            self.kept.append(KeptRound(requests, starts, stops, self._copy(source, first, max(stops))))
-        else:
-            self.kept.append(self._scattered(requests, lasts))
-        self.rounds += 1
-        if self.rounds >= self.FLUSH_ROUNDS or self.bytes >= self.FLUSH_BYTES:
-            self._to_host()
-
-    def _copy(self, source: torch.Tensor, first: int, end: int) -> int:
-        """Rows first .. end of an output onto the pile; returns what turns its row numbers into the pile's."""
-        self.copies.append(source[first:end].clone())
-        shift = self.piled_rows - first
-        self.piled_rows += end - first
-        self.bytes += self.copies[-1].numel() * self.copies[-1].element_size()
-        return shift
-
-    def _scattered(self, requests: list[TargetFeatures], lasts: list[Rows]) -> KeptRound:
-        """A round's rows from several outputs, or not one run a request: one slice of each output holding all of
-        them, and each request's rows of the pile."""
         spans: dict[int, list] = {}  # id(source) -> [source, first row, end row]
-        for rows in lasts:
-            index = rows.index
-            first, end = (index.start, index.stop) if is_run(index) else (min(index), max(index) + 1)
+        for features in requests:
+            rows = features.last
+            first, end = (rows.index.start, rows.index.stop) if is_run(rows.index) else (
+                min(rows.index), max(rows.index) + 1)
             span = spans.get(id(rows.source))
             if span is None:
                 spans[id(rows.source)] = [rows.source, first, end]
             else:
                 span[1], span[2] = min(span[1], first), max(span[2], end)
-        shifts = {key: self._copy(*span) for key, span in spans.items()}
-        scattered = []
-        for rows in lasts:
-            by, index = shifts[id(rows.source)], rows.index
-            scattered.append(range(index.start + by, index.stop + by) if is_run(index) else [row + by for row in index])
-        return KeptRound(requests, [], [], 0, scattered)
+        shift = {}  # id(source) -> what turns its row numbers into row numbers of the piled copies
+        for key, (source, first, end) in spans.items():
+            shift[key] = self.piled_rows - first
+            self.copies.append(source[first:end].clone())
+            self.piled_rows += end - first
+            self.bytes += self.copies[-1].numel() * self.copies[-1].element_size()
+        for features in requests:
+            rows = features.last
+            by = shift[id(rows.source)]
+            index = rows.index
+            self.kept.append((features, range(index.start + by, index.stop + by) if is_run(index)
+                              else [row + by for row in index]))
+        self.rounds += 1
+        if self.rounds >= self.FLUSH_ROUNDS or self.bytes >= self.FLUSH_BYTES:
+            self._to_host()
 
     def flush(self) -> None:
         """Everything gathered so far onto each request's `chunks`, on the host when this returns."""
@@ -291,79 +276,43 @@ class FeatureBacklog:
     def _grouped(self) -> tuple[list[TargetFeatures], list[int], torch.Tensor]:
         """The requests in `kept`, their row counts, and their rows one request after another (each request's in
         round order), on the device."""
+        if len(self.kept) == 1 and is_run(self.kept[0][1]):  # one request's rows of one round, as a lone request's
+            features, index = self.kept[0]
+            return [features], [len(index)], self.copies[0][index.start:index.stop]
+        ordinal: dict[int, int] = {}  # id(features) -> their place among this transfer's requests
+        requests, owners, indexes = [], [], []
+        for features, index in self.kept:
+            if id(features) not in ordinal:
+                ordinal[id(features)] = len(requests)
+                requests.append(features)
+            owners.append(ordinal[id(features)])
+            indexes.append(index)
         piled = self.copies[0] if len(self.copies) == 1 else torch.cat(self.copies)
-        if len(self.kept) == 1:  # one round (drafting rounds flush every round): each request once, in order
-            return self._one_round(piled)
-        requests, ordinal = [], {}  # id(features) -> their place among this transfer's requests
-        owners, starts, stops, shifts, sizes = [], [], [], [], []  # the rounds' runs; each round's shift, runs
-        placed, places, runs_before = None, [], 0  # the last round's requests, and their places
-        for kept in self.kept:
-            if kept.requests != placed:  # (most rounds keep the features of the same requests as the one before)
-                places, placed = [], kept.requests
-                for features in kept.requests:
-                    if id(features) not in ordinal:
-                        ordinal[id(features)] = len(requests)
-                        requests.append(features)
-                    places.append(ordinal[id(features)])
-            if kept.scattered is None:
-                owners += places
-                starts += kept.starts
-                stops += kept.stops
-            else:  # each run of a request's rows, or each row
-                for place, index in zip(places, kept.scattered):
-                    runs = [index] if is_run(index) else [range(row, row + 1) for row in index]
-                    owners += [place] * len(runs)
-                    starts += [run.start for run in runs]
-                    stops += [run.stop for run in runs]
-            shifts.append(kept.shift)
-            sizes.append(len(owners) - runs_before)
-            runs_before = len(owners)
-        owners, starts = np.asarray(owners), np.asarray(starts)
-        counts = np.asarray(stops) - starts
-        starts += np.repeat(shifts, sizes)
+        if len(requests) == len(indexes) and sum(map(len, indexes)) <= self.LISTED_ROWS:
+            # Each request's rows of one round (drafting rounds flush every round), a few: already in order, and
+            # Python lists of them cost less than the NumPy calls that group many rounds' rows.
+            order = [row for index in indexes for row in index]
+            start = order[0] if order else 0
+            if order and order == list(range(start, start + len(order))):
+                grouped = piled[start:start + len(order)]
+            else:
+                grouped = select_rows(piled, np.array(order, dtype=np.int64))
+            return requests, [len(index) for index in indexes], grouped
+        owners = np.asarray(owners)
+        counts = np.fromiter(map(len, indexes), dtype=np.int64, count=len(indexes))
         # Each request's rows in round order, one request after another.
         by_owner = np.argsort(owners, kind="stable")
-        order = run_index(starts[by_owner], counts[by_owner])
+        if all(is_run(index) for index in indexes):  # without a NumPy call per round and request
+            starts = np.fromiter((index.start for index in indexes), dtype=np.int64, count=len(indexes))
+            order = run_index(starts[by_owner], counts[by_owner])
+        else:
+            order = np.concatenate([np.asarray(indexes[i], dtype=np.int64) for i in by_owner])
         if len(order) and (np.diff(order) == 1).all():
             grouped = piled[order[0]:order[-1] + 1]  # already in order (one request, or each once): no gather
         else:
             grouped = select_rows(piled, order)
         totals = np.bincount(owners, weights=counts, minlength=len(requests)).astype(np.int64).tolist()
         return requests, totals, grouped
-
-    def _one_round(self, piled: torch.Tensor) -> tuple[list[TargetFeatures], list[int], torch.Tensor]:
-        """_grouped of a lone round, whose requests' rows are in order already: a slice of the pile where they
-        follow one another, else a gather, its index as Python lists where the rows are few (cheaper than NumPy
-        calls)."""
-        kept = self.kept[0]
-        if kept.scattered is None:
-            totals = [stop - start for start, stop in zip(kept.starts, kept.stops)]
-            if kept.starts[1:] == kept.stops[:-1]:
-                return kept.requests, totals, piled[kept.starts[0] + kept.shift:kept.stops[-1] + kept.shift]
-            if sum(totals) > self.LISTED_ROWS:
-                return kept.requests, totals, select_rows(piled, run_index(np.asarray(kept.starts) + kept.shift,
-                                                                           np.asarray(totals)))
-            order = [row + kept.shift for start, stop in zip(kept.starts, kept.stops) for row in range(start, stop)]
-        else:
-            totals = [len(index) for index in kept.scattered]
-            if sum(totals) > self.LISTED_ROWS:
-                return kept.requests, totals, select_rows(piled, np.concatenate(
-                    [np.asarray(index, dtype=np.int64) for index in kept.scattered]))
-            order = [row for index in kept.scattered for row in index]
-            if order and order == list(range(order[0], order[0] + len(order))):
-                return kept.requests, totals, piled[order[0]:order[0] + len(order)]
-        return kept.requests, totals, select_rows(piled, np.array(order, dtype=np.int64))
-
-
-class KeptRound(NamedTuple):
-    """One round's kept rows in a FeatureBacklog's pile: each request's one run [start, stop) once `shift` is
-    added, or where they are not one run each of one output (`scattered`), each request's rows of the pile."""
-
-    requests: list[TargetFeatures]
-    starts: list[int]
-    stops: list[int]
-    shift: int
-    scattered: list[range | list[int]] | None = None
 
 
 def commit_round(generations: list["Generation"], plans: list[ForwardPlan], logits: list[Rows],

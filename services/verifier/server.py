@@ -159,32 +159,29 @@ class Scheduler:
             if not self.waiting and not self.running:  # (a request may have come while the drops went out)
                 self.wake.clear()
                 await self.wake.wait()
-            await self.run_round()
-
-    async def run_round(self) -> None:
-        """Admit what fits, then one round of the running batch, observed; a round that fails fails its batch
-        (or, under tensor parallelism, loses the service)."""
-        self._admit()
-        spans = {}
-        try:
-            started = time.perf_counter()
-            self._stop_drafting_where_it_does_not_pay()
-            await self._reconnect()
-            spans = self._round_spans()
-            carriers = {request_id: self.tracing.carrier(span) for request_id, span in spans.items()}
-            report = await speculative_round(self.running, self.speculation, self.runner, carriers)
-            self._observe(report, spans, started)
-        except RankLost as error:
-            self.lose(error)
-        except Exception as error:
-            log.exception("round failed")
-            if self.verifier.mirror is not None:  # the ranks may have parted ways mid-forward: no next round
-                self.lose(RankLost(f"a round failed on a tensor-parallel verifier ({error})"))
-            else:  # a bug or device failure: fail this batch, keep serving the next
+            self._admit()
+            spans = {}
+            try:
+                started = time.perf_counter()
+                self._stop_drafting_where_it_does_not_pay()
+                await self._reconnect()
+                spans = self._round_spans()
+                carriers = {request_id: self.tracing.carrier(span) for request_id, span in spans.items()}
+                report = await speculative_round(self.running, self.speculation, self.runner, carriers)
+                self._observe(report, spans, started)
+            except RankLost as error:
+                self.lose(error)
+            except Exception as error:
+                if self.verifier.mirror is not None:  # the ranks may have parted ways mid-forward: no next round
+                    log.exception("round failed")
+                    self.lose(RankLost(f"a round failed on a tensor-parallel verifier ({error})"))
+                    continue
+                # A bug or device failure: fail this batch, keep serving the next.
+                log.exception("round failed")
                 self._fail(list(self.running), error)
-        finally:
-            for span in spans.values():
-                span.end()
+            finally:
+                for span in spans.values():
+                    span.end()
 
     def _admit(self) -> None:
         """Waiting requests join the batch, first come first served, while they have places and KV room."""
@@ -228,8 +225,6 @@ class Scheduler:
     async def _reconnect(self) -> None:
         """Drafters that are down are tried again (as their backoff allows); a request whose drafter stays down
         moves to one that works."""
-        if all(link.up for link in self.links):  # (most rounds)
-            return
         for entry in list(self.running.values()):  # (a request may be cancelled while a drafter is tried)
             if entry.link is not None and not entry.link.up and not await self.connect(entry.link):
                 healthy = [link for link in self.links if link.up]
@@ -265,15 +260,14 @@ class Scheduler:
         metrics = self.metrics
         if report.choice is not None:
             metrics.round_budget.set(report.choice.budget)
-            metrics.rounds_chosen(report.choice.label).inc()
+            metrics.rounds_by_budget.labels(budget=report.choice.label).inc()
         for found in report.drafts:
             if found.trees:
                 metrics.phase_seconds["draft"].observe(found.propose_s)
                 transport_s = max(0.0, found.round_trip_s - found.propose_s)
                 metrics.phase_seconds["transport"].observe(transport_s)
-        tokens = report.tokens
         if report.forward_batch:
-            metrics.generated_tokens.inc(tokens)
+            metrics.generated_tokens.inc(report.tokens)
             metrics.record_trees([(request.tree_nodes, request.accepted) for request in report.requests
                                   if not request.prompt_tokens])
             metrics.phase_seconds["verify"].observe(report.verify_s + report.emit_s)
@@ -284,21 +278,21 @@ class Scheduler:
         if report.with_prompts:  # beside all rounds: where a mode's rounds with prompts cost more, and how many
             metrics.phase_seconds["round_with_prompts"].observe(seconds)
         else:
-            self._check_expectation(report, tokens, seconds)
+            self._check_expectation(report, seconds)
 
-    def _check_expectation(self, report: RoundReport, tokens: int, seconds: float) -> None:
+    def _check_expectation(self, report: RoundReport, seconds: float) -> None:
         """The tokens and seconds the policy's choice expected of this round, beside what it emitted and took (by
         budget, in the metrics): where its model of costs and acceptance errs, and which way. Not for a round that
         prefilled a prompt, whose work was not in the estimate."""
         if report.choice is None or report.choice.expected is None:
             return
         expected_tokens, expected_s = report.choice.expected
-        checked = self.metrics.checked(report.choice.label)
-        checked.rounds.inc()
-        checked.expected_tokens.inc(expected_tokens)
-        checked.realized_tokens.inc(tokens)
-        checked.expected_seconds.inc(expected_s)
-        checked.realized_seconds.inc(seconds)
+        label = report.choice.label
+        self.metrics.checked_rounds.labels(budget=label).inc()
+        self.metrics.checked_tokens.labels(budget=label, kind="expected").inc(expected_tokens)
+        self.metrics.checked_tokens.labels(budget=label, kind="realized").inc(report.tokens)
+        self.metrics.checked_seconds.labels(budget=label, kind="expected").inc(expected_s)
+        self.metrics.checked_seconds.labels(budget=label, kind="realized").inc(seconds)
 
 
 def round_attributes(request: RequestReport, report: RoundReport) -> dict:
@@ -346,14 +340,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             if requested > MAX_BUDGET:
                 raise TreeserveError(f"budget must be between 1 and {MAX_BUDGET}, got {requested}")
             budget = 0 if request.speculation.disabled or not self.links else requested
-            # A speculating request keeps its target features in case its drafter conditions on them. (Generation
-            # checks the request.)
-            features = self.scheduler.feature_layer_ids if budget > 0 else ()
-            generation = Generation(self.target.model, self.target.tokenizer, list(request.prompt_token_ids),
-                                    params, None, budget, features, verifier=self.scheduler.verifier)
+
+            def generation_with(budget: int) -> Generation:  # (checks the request)
+                # A speculating request keeps its target features in case its drafter conditions on them.
+                features = self.scheduler.feature_layer_ids if budget > 0 else ()
+                return Generation(self.target.model, self.target.tokenizer, list(request.prompt_token_ids),
+                                  params, None, budget, features, verifier=self.scheduler.verifier)
+
+            generation = generation_with(budget)
             if budget and not self.scheduler.speculates_new_request():
                 budget = 0  # drafting does not pay at this load: plain decoding, without its bookkeeping
-                generation.stop_drafting()
+                generation = generation_with(budget)
         except TreeserveError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         request_id = f"{request.request_id or 'request'}-{uuid.uuid4().hex[:8]}"
