@@ -164,30 +164,6 @@ def test_tree_round_on_the_cpu(tmp_path):
     assert report["command"].startswith("python -m treeserve.bench.tree_round --target")
 
 
-def test_draft_round_on_the_cpu(tmp_path):
-    """The drafter's host work in a merged round on a tiny target and drafter, phase by phase, the device stubbed."""
-    import torch
-
-    from random_targets import random_dflash_drafter
-    from treeserve.bench.draft_round import PHASES, main
-    from treeserve.drafter.dflash import save_dflash
-    from treeserve.loading import load_target
-
-    folder = tiny_models.write_hf_folder("qwen3", tmp_path / "model", seed=0)
-    drafter = random_dflash_drafter(load_target(str(folder), "cpu", "float32").model, "ddtree")
-    save_dflash(drafter.model, tmp_path / "drafter", dtype=torch.float32)
-    out = tmp_path / "draft-round.json"
-    assert main(["--target", str(folder), "--drafter-path", str(tmp_path / "drafter"), "--dtype", "float32",
-                 "--batches", "1,3", "--budget", "8", "--max-budget", "16", "--context", "12", "--rounds", "4",
-                 "--warm-up", "1", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert [row["batch"] for row in report["rows"]] == [1, 3]
-    assert all(row["us"][phase] > 0 for row in report["rows"] for phase in ("decode", "extend", "stage", "block",
-                                                                              "trees", "reply", "whole"))
-    assert all(set(row["us"]) == {*PHASES, "whole"} for row in report["rows"])
-    assert report["command"].startswith("python -m treeserve.bench.draft_round --target")
-
-
 @pytest.mark.slow
 def test_service_profile_on_the_cpu(tmp_path):
     """A second of each mode through the three services: tokens, the verifier's phases, and (where py-spy is

@@ -9,7 +9,6 @@ import math
 import random
 from fractions import Fraction
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -430,28 +429,6 @@ def test_the_drafter_context_holds_the_target_features_of_every_committed_token_
     fresh.release()
     generation.release()
     assert drafter.pool.allocator.free_count == drafter.pool.allocator.num_blocks  # every block came back
-
-
-def test_round_inputs_copied_in_from_a_host_buffer_equal_those_staged_in_place():
-    """A round's budgets and context rows staged in a host buffer apart and copied in at once (as on a GPU) give
-    the graphs the inputs that staging in place does, round after round, fewer rows after more."""
-    from treeserve.drafter.dflash import RoundInputs
-
-    rng = np.random.default_rng(1)
-    inputs = [RoundInputs(4, 12, 5, torch.bfloat16, torch.device("cpu"), copied_in=copied) for copied in (False, True)]
-    assert inputs[1].host_buffer.data_ptr() != inputs[1].buffer.data_ptr()
-    for counts in ([3, 4, 2], [1], [], [5, 7]):
-        starts = rng.integers(0, 100, len(counts))
-        parts = [(rng.integers(0, 500, n), np.arange(start, start + n), torch.randn(n, 5).to(torch.bfloat16))
-                 for n, start in zip(counts, starts)]
-        budgets = rng.integers(0, 33, len(counts) or 1).tolist()
-        for each in inputs:
-            each.stage(budgets, parts)
-        for got, want in zip(*[(each.budgets, each.slots, each.positions, each.features[:sum(counts)])
-                               for each in inputs]):
-            assert torch.equal(got, want)
-        assert inputs[0].budgets[:len(budgets)].tolist() == budgets
-        assert inputs[0].slots[sum(counts):].eq(-1).all()
 
 
 def test_a_round_stages_up_to_two_blocks_of_context_rows_and_writes_more_eagerly(monkeypatch):

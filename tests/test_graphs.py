@@ -98,54 +98,6 @@ def test_a_runner_stages_every_forward_as_staging_anew_does():
             assert got.shape == want.shape and torch.equal(got, want)
 
 
-def test_blocks_staged_for_the_whole_batch_at_once_equal_blocks_staged_request_by_request():
-    """run_blocks (a DFlash drafter's blocks: as many rows for every request, one mask) stages what run() does for
-    the same rows, with or without graphs' buckets, after larger forwards in the same buffers, and reserves the
-    same rows."""
-    import numpy as np
-
-    model = random_target("llama")
-    rng = np.random.default_rng(0)
-    for use_graphs in (False, True):
-        staged = {}
-        for blocks in (False, True):
-            pool = PagedKVCache(model.config, num_blocks=96, block_size=4, dtype=torch.float32, device="cpu")
-            seen = []
-
-            def forward(rows):
-                seen.append([tensor.clone() for tensor in (rows.tokens, rows.positions, *rows.paged.tensors())])
-                return (torch.zeros(rows.tokens.shape[0], 1),)
-
-            runner = PagedRunner(pool, forward, max_batch=8, row_buckets=[6], max_length=100)
-            if use_graphs:  # stand-in graphs, so that forwards are padded to their buckets as on a GPU
-                from treeserve.models.graphs import CapturedGraph
-
-                runner.static = runner._allocate_static()
-                for key in runner.buckets:
-                    runner.graphs[key] = CapturedGraph(None, (torch.zeros(key[0] * key[1], 1),))
-                runner.use_graphs = True
-                runner.execute = lambda key, rows: forward(rows)
-            mask = (rng.random((6, 6)) < 0.7).astype(np.int8) if not staged else staged["mask"]
-            staged["mask"] = mask
-            for lengths in ([9, 30, 5, 12, 7, 1, 22], [2, 13], [40, 3, 3]):
-                sequences = [pool.sequence() for _ in lengths]
-                for sequence, length in zip(sequences, lengths):
-                    sequence.reserve(length)
-                    sequence.keep(list(range(length)))
-                tokens = np.arange(len(lengths) * 6).reshape(len(lengths), 6) + 100
-                if blocks:
-                    runner.run_blocks(sequences, tokens, mask)
-                else:
-                    runner.run(sequences, tokens.tolist(), [np.arange(n, n + 6) for n in lengths],
-                               [mask] * len(lengths))
-                seen[-1].append([list(sequence.blocks) for sequence in sequences])
-            staged[blocks] = seen
-        for got, want in zip(staged[True], staged[False]):
-            assert got[-1] == want[-1]  # the same blocks reserved
-            for got_tensor, want_tensor in zip(got[:-1], want[:-1]):
-                assert got_tensor.shape == want_tensor.shape and torch.equal(got_tensor, want_tensor)
-
-
 @pytest.mark.parametrize("sizes", [[33], [5, 9, 17], [1, 17, 1, 5, 33, 2], [129, 1, 40], [1, 1, 3]])
 def test_trees_staged_from_their_shapes_get_their_ancestor_masks(sizes):
     """Trees staged with their TreeShapes (the masks unpacked from ancestor bits for all of them at once, rows

@@ -52,16 +52,13 @@ def features_to_proto(features, into: drafter_pb2.Features | None = None) -> dra
     return message
 
 
-def features_from_proto(message: drafter_pb2.Features, shape: tuple[int, ...] | None = None):
-    """The features as a (tokens, width) torch tensor of their own; `shape`: the message's, where the caller has
-    read it already."""
+def features_from_proto(message: drafter_pb2.Features):
     import torch
 
     if message.dtype not in FEATURE_DTYPES:
         raise TreeserveError(f"features of unknown dtype {message.dtype!r} (use {', '.join(FEATURE_DTYPES)})")
     dtype = getattr(torch, message.dtype)
-    shape = tuple(message.shape) if shape is None else shape
-    data = message.data  # each read of a bytes field copies it: read it once
+    shape, data = tuple(message.shape), message.data  # each read of a bytes field copies it: read it once
     if len(shape) != 2 or shape[0] * shape[1] * dtype.itemsize != len(data):
         raise TreeserveError(f"features: {len(data)} bytes do not hold shape {shape} of {message.dtype}")
     if not data:

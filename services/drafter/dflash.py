@@ -244,7 +244,7 @@ class DFlashRequest:
     def __init__(self, sequence: PagedSequence):
         self.tokens: list[int] = []
         self.sequence = sequence
-        self.unwritten: list[tuple[np.ndarray, np.ndarray, torch.Tensor]] = []
+        self.unwritten: list[tuple[torch.Tensor, np.ndarray, torch.Tensor]] = []
 
     @property
     def unwritten_rows(self) -> int:
@@ -265,39 +265,26 @@ def tree_widths(widest: int) -> list[int]:
 class RoundInputs:
     """What the drafter's graphs read each round besides the pool and the block rows, on the device: each
     request's budget (0 for padding requests) and the context rows the block forward first writes (their slots,
-    -1 for none, positions and features), back to back from row 0. They are views of one device buffer, the longs
-    first and the features after them, filled from a host buffer of the same layout, allocated once: page-locked on
-    a GPU, so that a round's inputs go in with one copy (the longs and the round's feature rows) that the host does
-    not wait for; refilling it waits only for the last copy out of it, normally long done. On the CPU the host
-    buffer is the device's, unless `copied_in` asks for one apart (as on a GPU: what a bench of the host work
-    stages)."""
+    -1 for none, positions and features), back to back from row 0. Filled from host buffers allocated once,
+    page-locked on a GPU so that the copies in are queued without the host waiting for them (on the CPU, the device
+    tensors themselves); refilling them waits only for the last copies out of them, normally long done."""
 
-    def __init__(self, max_batch: int, rows: int, feature_size: int, dtype: torch.dtype, device: torch.device,
-                 copied_in: bool | None = None):
+    def __init__(self, max_batch: int, rows: int, feature_size: int, dtype: torch.dtype, device: torch.device):
         self.on_gpu = device.type == "cuda"
-        self.copied_in = self.on_gpu if copied_in is None else copied_in
-        self.longs_bytes = (max_batch + 2 * rows) * torch.long.itemsize  # a multiple of 8: the features stay aligned
-        self.row_bytes = feature_size * dtype.itemsize
-        self.buffer = torch.zeros(self.longs_bytes + rows * self.row_bytes, dtype=torch.uint8, device=device)
-        self.budgets, self.slots, self.positions, self.features = self._views(self.buffer, max_batch, rows, dtype)
-        self.slots.fill_(-1)  # no slots: nothing to write
-        self.host_buffer = self.buffer
-        if self.copied_in:
-            self.host_buffer = self.buffer.to("cpu").pin_memory() if self.on_gpu else self.buffer.clone()
-        host_budgets, host_slots, host_positions, self.host_features = self._views(self.host_buffer, max_batch, rows,
-                                                                                   dtype)
-        # NumPy views of the host buffer's longs, made once: the round fills them.
+        # The long inputs share one buffer, so that a round copies them in at once.
+        longs = torch.zeros(max_batch + 2 * rows, dtype=torch.long)
+        longs[max_batch:max_batch + rows] = -1  # no slots: nothing to write
+        self.longs = longs.to(device)
+        self.budgets, self.slots, self.positions = self.longs.split([max_batch, rows, rows])
+        self.features = torch.zeros(rows, feature_size, dtype=dtype, device=device)
+        self.host_longs = longs.pin_memory() if self.on_gpu else self.longs
+        # NumPy views of the host buffer, made once: the round fills them.
         self.host_budgets, self.host_slots, self.host_positions = (
-            part.numpy() for part in (host_budgets, host_slots, host_positions))
+            part.numpy() for part in self.host_longs.split([max_batch, rows, rows]))
+        self.host_features = self.features.cpu().pin_memory() if self.on_gpu else self.features
         self.copied = torch.cuda.Event() if self.on_gpu else None
 
-    def _views(self, buffer: torch.Tensor, max_batch: int, rows: int, dtype: torch.dtype):
-        """budgets (max_batch,), slots and positions (rows,) int64, then features (rows, feature_size) of `dtype`."""
-        longs = buffer[:self.longs_bytes].view(torch.long)
-        features = buffer[self.longs_bytes:].view(dtype).view(rows, -1)
-        return (*longs.split([max_batch, rows, rows]), features)
-
-    def stage(self, budgets: list[int], parts: list[tuple[np.ndarray, np.ndarray, torch.Tensor]]) -> None:
+    def stage(self, budgets: list[int], parts: list[tuple[torch.Tensor, np.ndarray, torch.Tensor]]) -> None:
         """This round's budgets and context rows (parts of (slots, positions, features) in turn), copied in."""
         if self.copied is not None:
             self.copied.synchronize()
@@ -308,8 +295,8 @@ class RoundInputs:
                                  f"inputs ({len(budgets_np)} and {len(slots_np)})")
         budgets_np[:len(budgets)], budgets_np[len(budgets):] = budgets, 0
         if parts:
-            np.concatenate([slots for slots, _, _ in parts], out=slots_np[:rows])
-            np.concatenate([positions for _, positions, _ in parts], out=positions_np[:rows])
+            slots_np[:rows] = np.concatenate([slots.numpy() for slots, _, _ in parts])
+            positions_np[:rows] = np.concatenate([positions for _, positions, _ in parts])
         slots_np[rows:], positions_np[rows:] = -1, 0
         features = [part_features for _, _, part_features in parts]
         on_host = all(f.device.type == "cpu" for f in features)
@@ -318,12 +305,11 @@ class RoundInputs:
                 torch.cat(features, out=self.host_features[:rows])
             else:  # in process on a GPU: the target's features are there already
                 self.features[:rows] = torch.cat([f.to(self.features.device) for f in features])
-        if self.copied_in:
-            # One copy: the longs, then the feature rows staged on the host (none when they were on the device).
-            end = self.longs_bytes + (rows * self.row_bytes if features and on_host else 0)
-            self.buffer[:end].copy_(self.host_buffer[:end], non_blocking=True)
-            if self.copied is not None:
-                self.copied.record()
+        if self.on_gpu:
+            self.longs.copy_(self.host_longs, non_blocking=True)
+            if features and on_host:
+                self.features[:rows].copy_(self.host_features[:rows], non_blocking=True)
+            self.copied.record()
 
 
 # Context tokens the drafter's pool holds over all requests, unless told (per token: 2 x layers x kv heads x
@@ -455,7 +441,8 @@ class DFlashDrafter:
         context.tokens.extend(tokens)
         if rows:
             positions = np.arange(sequence.length, sequence.length + rows)
-            context.unwritten.append((sequence.append(rows), positions, features))
+            context.unwritten.append((sequence.reserve(rows), positions, features))
+            sequence.keep(list(range(rows)))
             self.unwritten[id(context)] = context
 
     def write_context(self, contexts: list[DFlashRequest] | None = None) -> None:
@@ -464,10 +451,10 @@ class DFlashDrafter:
         parts = [part for context in contexts for part in self._take_unwritten(context)]
         if parts:
             slots, positions, features = zip(*parts)
-            self.model.write_context(self.pool, torch.from_numpy(np.concatenate(slots)),
-                                     torch.from_numpy(np.concatenate(positions)), torch.cat(features), self.kernels)
+            self.model.write_context(self.pool, torch.cat(slots), torch.from_numpy(np.concatenate(positions)),
+                                     torch.cat(features), self.kernels)
 
-    def _take_unwritten(self, context: DFlashRequest) -> list[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
+    def _take_unwritten(self, context: DFlashRequest) -> list[tuple[torch.Tensor, np.ndarray, torch.Tensor]]:
         parts, context.unwritten = context.unwritten, []
         self.unwritten.pop(id(context), None)
         return parts
@@ -511,9 +498,9 @@ class DFlashDrafter:
         self._stage_round(contexts, budgets)
         block, mask_token = self.model.config.block_size, self.model.config.mask_token_id
         sequences = [context.sequence for context in contexts]
-        tokens = np.full((len(contexts), block), mask_token, dtype=np.int64)  # each block: its root, then masks
-        tokens[:, 0] = [context.tokens[-1] for context in contexts]
-        log_probs, = self.runner.run_blocks(sequences, tokens, self.block_mask)
+        log_probs, = self.runner.run(
+            sequences, [[context.tokens[-1]] + [mask_token] * (block - 1) for context in contexts],
+            [np.arange(s.length, s.length + block) for s in sequences], [self.block_mask] * len(contexts))
         for sequence in sequences:
             sequence.keep([])  # the block's own keys and values are never context
         return log_probs

@@ -144,14 +144,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
         def answer(request: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:
             started, held = time.perf_counter(), len(contexts)
-            response = drafter_pb2.DraftResponse(round=request.round)
-            self.draft_round(request, contexts, dropped, response)
+            trees = self.draft_round(request, contexts, dropped)
             elapsed = time.perf_counter() - started
             self.metrics.contexts.inc(len(contexts) - held)
             self.metrics.rounds.inc()
             self.metrics.propose_seconds.observe(elapsed)
-            response.propose_seconds = elapsed
-            return response
+            return drafter_pb2.DraftResponse(round=request.round, trees=trees, propose_seconds=elapsed)
 
         try:
             yield answer
@@ -163,8 +161,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             self.metrics.contexts.dec(len(contexts))
 
     def draft_round(self, request: drafter_pb2.DraftRequest, contexts: dict[str, DraftContext],
-                    dropped: set[str], response: drafter_pb2.DraftResponse) -> None:
-        """The round's trees, added to `response` (built in place: trees made apart are copied into it)."""
+                    dropped: set[str]) -> list[drafter_pb2.DraftTree]:
         # Check every item before touching any context, so a rejected round leaves none half-updated.
         seen: set[str] = set()
         features = [self.check_item(item, contexts, dropped, seen) for item in request.items]
@@ -191,20 +188,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             if item.budget > 0:
                 asking.append((item, context))
         if not asking:
-            return
+            return []
         spans = self.start_spans([item for item, _ in asking])
         trees = self.propose(asking)
         self.metrics.trees.inc(len(trees))
         self.metrics.tree_nodes.inc(sum(tree.size - 1 for tree in trees))
-        add_tree = response.trees.add
+        replies = []
         for (item, context), tree in zip(asking, trees):
             if item.request_id in spans:
                 spans[item.request_id].set_attributes({
                     "treeserve.budget": item.budget, "treeserve.tree_nodes": tree.size - 1,
                     "treeserve.context_tokens": len(context.tokens), "treeserve.batch_size": len(asking)})
                 spans[item.request_id].end()
-            add_tree(request_id=item.request_id, token_ids=tree.tokens, parents=tree.parents,
-                     lookup_nodes=tree.lookup_nodes or 0)
+            replies.append(drafter_pb2.DraftTree(request_id=item.request_id, token_ids=tree.tokens,
+                                                 parents=tree.parents, lookup_nodes=tree.lookup_nodes or 0))
+        return replies
 
     def propose(self, asking: list[tuple[drafter_pb2.DraftItem, DraftContext]]) -> list[DraftTree]:
         """The items' trees, in order: the drafter's own, or prompt lookup's alone for those that ask for it."""
@@ -271,4 +269,4 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             raise TreeserveError(f"request {item.request_id!r}: features of shape {shape} for {new} new tokens; "
                                  f"expected ({wanted}, {self.drafter.feature_size})"
                                  f"{'' if all_needed else ' or fewer rows'}")
-        return features_from_proto(item.features, shape) if sent else None
+        return features_from_proto(item.features) if sent else None

@@ -215,31 +215,6 @@ def _stage_into(view: StagingView, sequences: list[PagedSequence], tokens: list[
         _stage_ancestor_masks(mask_np, shapes)
 
 
-def _stage_blocks(view: StagingView, sequences: list[PagedSequence], tokens: np.ndarray, mask: np.ndarray) -> None:
-    """_stage_into's work for requests that all bring `rows` rows (tokens (batch, rows)) at the positions after
-    their committed ones, which all see each other through one `mask` (rows, rows): every request at once, but for
-    the room each sequence makes and its block table."""
-    batch, rows = tokens.shape
-    slots_np, tables_np = view.slots, view.tables
-    slots_np.fill(-1)
-    for array in view.zeroed:
-        array.fill(0)
-    table_width, block_size = tables_np.shape[1], sequences[0].cache.block_size
-    lengths = np.fromiter([sequence.length for sequence in sequences], dtype=np.int64, count=batch)
-    for b, sequence in enumerate(sequences):
-        sequence.make_room(rows)
-        blocks = sequence.blocks
-        if len(blocks) > table_width:
-            raise TreeserveError(f"a sequence of {len(blocks)} blocks exceeds the block table's {table_width}")
-        tables_np[b, :len(blocks)] = blocks
-    positions = lengths[:, None] + np.arange(rows)
-    view.prefix_lens[:batch], view.new_counts[:batch] = lengths, rows
-    view.tokens[:batch, :rows], view.positions[:batch, :rows] = tokens, positions
-    row_blocks = np.take_along_axis(tables_np[:batch], positions // block_size, axis=1).astype(np.int64)
-    slots_np[:batch, :rows] = row_blocks * block_size + positions % block_size
-    view.mask[:batch, :rows, :rows] = mask
-
-
 def _stage_ancestor_masks(mask_np: np.ndarray, shapes: list[tuple[int, TreeShape]]) -> None:
     """The ancestor masks of these trees (request b's TreeShape) into mask_np[b], all in one unpacking of their
     ancestor bits: each tree's rows padded with empty ones to the largest tree's, whose bits past a tree's size
@@ -403,7 +378,11 @@ class PagedRunner:
         if any(sequence.cache is not self.pool for sequence in sequences):
             raise TreeserveError("a sequence from another KV pool")
         batch, rows = len(sequences), max(len(t) for t in tokens)
-        key = self._bucket_of(batch, rows)
+        key = None  # graphs off, or beyond the maxima
+        if self.use_graphs:
+            key = self.buckets_of.get((batch, rows), ())  # (): not looked up yet (None is an answer)
+            if key == ():
+                key = self.buckets_of[(batch, rows)] = self.bucket(batch, rows)
         batch, rows = key or (batch, rows)
         view = self._staging(batch, rows)
         if view is None:
@@ -414,34 +393,6 @@ class PagedRunner:
         if self.on_execute is not None:
             self.on_execute(key, staged)
         return self.execute(key, staged)
-
-    @in_inference_mode
-    def run_blocks(self, sequences: list[PagedSequence], tokens: np.ndarray, mask: np.ndarray
-                   ) -> tuple[torch.Tensor | None, ...]:
-        """run() for requests that all bring as many rows, `tokens` (batch, rows), at the positions after their
-        committed ones, all seeing each other through one `mask` (rows, rows) (a DFlash drafter's blocks): the
-        same forward, staged for the whole batch at once rather than request by request."""
-        if any(sequence.cache is not self.pool for sequence in sequences):
-            raise TreeserveError("a sequence from another KV pool")
-        batch, rows = tokens.shape
-        key = self._bucket_of(batch, rows)
-        view = self._staging(*(key or (batch, rows)))
-        if view is None:  # beyond the maxima: staged request by request, in buffers of its own
-            lengths = [sequence.length for sequence in sequences]
-            return self.run(sequences, tokens.tolist(), [np.arange(n, n + rows) for n in lengths], [mask] * batch)
-        _stage_blocks(view, sequences, tokens, mask)
-        if self.on_execute is not None:
-            self.on_execute(key, view.staged)
-        return self.execute(key, view.staged)
-
-    def _bucket_of(self, batch: int, rows: int) -> tuple[int, int] | None:
-        """The captured bucket a forward of (batch, rows) replays; None: graphs off, or beyond the maxima."""
-        if not self.use_graphs:
-            return None
-        key = self.buckets_of.get((batch, rows), ())  # (): not looked up yet (None is an answer)
-        if key == ():
-            key = self.buckets_of[(batch, rows)] = self.bucket(batch, rows)
-        return key
 
     def _staging(self, batch: int, rows: int) -> StagingView | None:
         """Where to stage a forward of (batch, rows): a view of the next of STAGING_BUFFERS sets of host buffers,

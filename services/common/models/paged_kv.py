@@ -187,18 +187,6 @@ class PagedSequence:
         self._grow(count)
         return self.slot_array(self.length, count)
 
-    def append(self, count: int) -> np.ndarray:
-        """Commit `count` more rows at once, their keys and values to be written later at the slots returned
-        (int64 NumPy): reserve(count), then keep() of them all, in fewer steps."""
-        slots = self.reserve_array(count)
-        self.length += count
-        return slots
-
-    def make_room(self, count: int) -> None:
-        """Room for `count` pending rows after the committed ones, without their slots (for a caller that works out
-        many sequences' slots at once, from their block tables)."""
-        self._grow(count)
-
     def reserve_one(self) -> int:
         """reserve(1), its slot as an integer: a plain step's row, for every request of every plain round."""
         self._grow(1)
