@@ -349,10 +349,12 @@ class PagedRunner:
         torch.cuda.synchronize()
         return time.perf_counter() - started
 
+    @torch.inference_mode()
     def time_graphs(self, repeats: int = 3) -> dict[tuple[int, int], float]:
         """Median seconds of one replay of each captured graph (on its padding inputs: nothing is written)."""
         times = {}
         for key, captured in self.graphs.items():
+            pad(self.static.view(*key))  # the buffer holds another bucket's layout
             samples = []
             for _ in range(repeats):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
