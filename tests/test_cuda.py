@@ -88,7 +88,7 @@ def synchronising_calls():
 def test_a_graph_round_waits_on_the_device_once(temperature):
     """Issue 5's rule: no host synchronisation inside a round but the one that brings the picked tokens back.
     Two requests verified together from CUDA graphs (trees staged, replayed, picked, accepted paths' KV moved),
-    every round after the first two (buffers made at first use) waits once."""
+    every round after the first two (buffers made at first use) waits at most once."""
     model = random_target("llama", seed=1, vocab_size=VOCAB, weight_scale=2.0).to("cuda", torch.float32)
     tokenizer = word_tokenizer(VOCAB)
     verifier = TreeVerifier(model, PagedKVCache(model.config, 64, 16, torch.float32, "cuda"), max_batch=2,
