@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import statistics
 import sys
@@ -28,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from treeserve.bench import print_report
 from treeserve.errors import TreeserveError
 from treeserve.settings import OneLineErrorParser
 
@@ -273,11 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         in_process_ms = statistics.median(medians["in_process"])
         report["share_of_in_process"] = {way: round(in_process_ms / statistics.median(values), 3)
                                          for way, values in medians.items()}
-    text = json.dumps(report, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text)
+    print_report(report, args.out)
     return 0
 
 

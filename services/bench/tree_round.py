@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import random
 import statistics
 import sys
@@ -32,6 +31,7 @@ import time
 import types
 from pathlib import Path
 
+from treeserve.bench import print_report
 from treeserve.errors import TreeserveError
 from treeserve.settings import OneLineErrorParser
 
@@ -262,11 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": " ".join(["python -m treeserve.bench.tree_round", *args.argv]), "target": args.target,
               "device": "cpu", "dtype": args.dtype, "feature_layers": list(args.feature_layers),
               "accept": args.accept, "rounds": args.rounds, "rows": rows}
-    text = json.dumps(report, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text)
+    print_report(report, args.out)
     return 0
 
 
