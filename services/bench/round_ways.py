@@ -30,6 +30,7 @@ from pathlib import Path
 from treeserve.bench import print_report
 from treeserve.errors import TreeserveError
 from treeserve.settings import OneLineErrorParser
+from treeserve.tree import MAX_BUDGET
 
 WAYS = ("in_process", "scheduler", "grpc", "services")
 DRAFTED_WAYS = ("in_process", "services")  # the ways a --drafter's rounds run
@@ -57,8 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.argv = argv if argv is not None else sys.argv[1:]
     if args.max_new_tokens < 2 or args.requests < 2 or args.turns < 1:
         parser.error("--max-new-tokens and --requests must be at least 2, --turns at least 1")
-    if not 1 <= args.budget <= 128:
-        parser.error(f"--budget must be between 1 and 128, got {args.budget}")
+    if not 1 <= args.budget <= MAX_BUDGET:
+        parser.error(f"--budget must be between 1 and {MAX_BUDGET}, got {args.budget}")
     possible = WAYS if args.drafter == "none" else DRAFTED_WAYS
     args.ways = args.ways.split(",") if args.ways else list(possible)
     unknown = [way for way in args.ways if way not in possible]
