@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -16,8 +17,8 @@ from helpers import PROMPTS, SERVING, Services, expected, health, request, run_a
 from treeserve.loading import load_target
 from treeserve.telemetry import round_totals
 from treeserve.tree import DraftTree
-from treeserve.verifier.adaptive import (BUDGET_STEPS, AdaptiveSpeculation, Calibration, Exploration, GiveUp,
-                                         RecentCost)
+from treeserve.verifier.adaptive import (BUDGET_STEPS, AdaptiveSpeculation, Calibration, ExpectedDrafts, Exploration,
+                                         GiveUp, RecentCost, tokens_per_round)
 from treeserve.verifier.drafter_link import DraftRound, catches_up
 from treeserve.verifier.round import Choice, RequestReport, RoundReport
 
@@ -586,6 +587,57 @@ def test_rounds_that_realize_less_than_expected_scale_the_model_down():
 
     assert played([2, 2, 1, 1, 1, 1, 1, 1]) == [16] * Calibration.SETTLED + [0] * Calibration.SETTLED
     assert played([4] * 8) == [16] * (2 * Calibration.SETTLED)
+
+
+def test_expected_drafts_sum_every_requests_expected_tokens():
+    """ExpectedDrafts, which prices each budget without a pass over the requests, gives what summing each request's
+    tokens_per_round would: slopes low and high (capped at budget + 1 tokens), own budgets below the round's."""
+    rng = random.Random(3)
+    for _ in range(50):
+        slopes = [(rng.choice([0.0, rng.uniform(0, 1), rng.uniform(1, 12)]), rng.choice([0, 1, 4, 16, 32, 128]))
+                  for _ in range(rng.randint(1, 70))]
+        expected = ExpectedDrafts(slopes)
+        for budget_step in (0,) + BUDGET_STEPS:
+            want = sum(tokens_per_round(slope, min(budget_step, own)) - 1 for slope, own in slopes)
+            assert expected.at(budget_step) == pytest.approx(want, rel=1e-9, abs=1e-9)
+
+
+def test_tree_rounds_dearer_than_estimated_make_trees_dearer_at_their_batch():
+    """Where tree rounds chosen on their merits take longer than the costs estimated (at a batch of many requests,
+    each chosen between plain rounds catches every request's drafter context up, which steady costs leave out),
+    their batch bucket's tree estimates are scaled by what such rounds took, and plain decoding wins there. A lone
+    request's rounds and tries teach no such factor."""
+    tree_costs = {1: 5.0, 2: 5.3, 3: 5.6, 5: 6.0, 9: 6.7, 17: 7.5}
+    ids = [f"r{i}" for i in range(8)]
+
+    def played(batch: int, catch_up_ms: float) -> list[int]:
+        adaptive = AdaptiveSpeculation()
+        asked = {i: 16 for i in ids[:batch]}
+        costs(adaptive, batch, tree_costs, draft_ms=0.5)
+        accept(adaptive, asked, 16, 3)  # 3 tokens a round at budget 16: 1.7x plain decoding's tokens a second
+        choices = []
+        for _ in range(2 * Calibration.SETTLED):
+            choice = adaptive.choose(asked, batch=batch)
+            choices.append(choice.budget)
+            drafts = [DraftRound({i: DraftTree([1, 2], [-1, 0]) for i in asked}, round_trip_s=catch_up_ms / 1000,
+                                 catch_up=True)] if choice.budget else []
+            requests = {i: (choice.budget, 3) if choice.budget else (0, 1) for i in asked}
+            adaptive.observe(report(choice, batch, requests, tree_costs[tree_bucket_of(choice.budget)], drafts))
+        return choices
+
+    assert played(8, catch_up_ms=20.0) == [16] * Calibration.SETTLED + [0] * Calibration.SETTLED
+    assert played(8, catch_up_ms=0.5) == [16] * (2 * Calibration.SETTLED)
+    assert played(1, catch_up_ms=20.0) == [16] * (2 * Calibration.SETTLED)  # a lone request: its own choice
+    adaptive = AdaptiveSpeculation()
+    costs(adaptive, 8, tree_costs, draft_ms=0.5)
+    accept(adaptive, ids, 16, 1)  # trees that do not pay: tries now and then, which price their catch-up apart
+    for _ in range(200):
+        choice = adaptive.choose({i: 16 for i in ids}, batch=8)
+        assert choice.estimated_s is None
+        drafts = [DraftRound({i: DraftTree([1, 2], [-1, 0]) for i in ids}, round_trip_s=0.02, catch_up=True)]
+        adaptive.observe(report(choice, 8, {i: (choice.budget, 1) if choice.budget else (0, 1) for i in ids},
+                                tree_costs[tree_bucket_of(choice.budget)], drafts if choice.budget else []))
+    assert adaptive.costs.tree_factor(8) == 1.0
 
 
 def tree_bucket_of(budget: int) -> int:

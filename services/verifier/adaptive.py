@@ -14,7 +14,8 @@ speculating request drafts min(T, its own budget), and
                 / (draft_time(batch, T) + verify_time(batch, T + 1 nodes)),
 
 plain decoding (T = 0) kept unless the best tree promises MARGIN times its tokens a second. c(batch) scales the
-acceptance model by what speculative rounds at that batch bucket really drafted over what it expected of them.
+acceptance model by what speculative rounds at that batch bucket really drafted over what it expected of them; at a
+batch of more than one request, a tree's estimated time is scaled the same way by what tree rounds there took.
 
 A drafter that also drafts by prompt lookup alone (the merged drafter: `DrafterLink.lookup_trees`) offers each
 budget twice: its own tree, or lookup's, which costs no model forward and so can pay at batches where the
@@ -33,7 +34,9 @@ a few that keep it tried (`GiveUp`).
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 import logging
 import math
 import statistics
@@ -91,8 +94,8 @@ class DecayingRatio:
 
 
 class Calibration(DecayingRatio):
-    """What speculative rounds of one batch bucket emitted beyond one token per request, over what the model
-    expected of them."""
+    """What speculative rounds of one batch bucket realized over what the models expected of them: tokens beyond
+    one per request (AcceptanceModel), or seconds (CostModel.tree_factor)."""
 
     DECAY, SETTLED = 0.02, 3
 
@@ -113,6 +116,35 @@ def tokens_per_round(slope: float, budget: int) -> float:
     if budget < 1:
         return 1.0
     return min(1.0 + budget, 1.0 + slope * math.log2(1 + budget))
+
+
+class ExpectedDrafts:
+    """The tokens beyond one a round's trees are expected to add over requests of these (slope, own budget): at
+    round budget T, the sum of tokens_per_round(slope, min(T, own)) - 1. Each own budget's slopes are sorted once
+    with their running sums, so that the choice prices each candidate budget in a bisection, not a pass over the
+    requests: at a batch of many requests a choice comes every few rounds, and such passes were a visible part of
+    a plain round."""
+
+    def __init__(self, slopes: list[tuple[float, int]]):
+        by_own: dict[int, list[float]] = {}
+        for slope, own in slopes:
+            by_own.setdefault(own, []).append(slope)
+        self.groups = []  # (own budget, its slopes ascending, their running sums from 0)
+        for own, values in by_own.items():
+            values.sort()
+            self.groups.append((own, values, list(itertools.accumulate(values, initial=0.0))))
+
+    def at(self, budget: int) -> float:
+        total = 0.0
+        for own, slopes, sums in self.groups:
+            nodes = min(budget, own)
+            if nodes < 1:
+                continue
+            scale = math.log2(1 + nodes)
+            # Slopes below nodes / scale add slope * scale; the rest reach the cap of `nodes` tokens.
+            below = bisect.bisect_left(slopes, nodes / scale)
+            total += scale * sums[below] + nodes * (len(slopes) - below)
+        return total
 
 
 def batch_bucket(batch: int) -> int:
@@ -144,6 +176,8 @@ class CostModel:
         # lookup -> batch bucket -> drafter round trips that caught up
         self.catch_up_s: dict[bool, dict[int, RecentCost]] = {False: {}, True: {}}
         self.graph_s: dict[int, dict[int, float]] = {}  # each captured graph's replay alone, timed at start-up
+        # (lookup, batch bucket) -> what tree rounds chosen on their merits took over what was estimated for them
+        self.tree_calibration: dict[tuple[bool, int], Calibration] = {}
 
     @staticmethod
     def _add(table: dict, batch: int, nodes: int, seconds: float) -> None:
@@ -178,9 +212,23 @@ class CostModel:
             return 0.0
         return max(0.0, caught_up.value - self._draft_estimate(bucket, tree_bucket(budget + 1), lookup))
 
+    def observe_tree_round(self, batch: int, lookup: bool, seconds: float, estimated: float) -> None:
+        """A round of trees chosen on their merits, without a prompt, took `seconds` where `estimated` (by
+        round_seconds, uncalibrated) were expected. A lone request is left out: its trees are played in runs, and
+        the catch-up after plain rounds that makes the difference is its own choice to price (tries)."""
+        if batch_bucket(batch) > 1:
+            self.tree_calibration.setdefault((lookup, batch_bucket(batch)), Calibration()).add(seconds, estimated)
+
+    def tree_factor(self, batch: int, lookup: bool = False) -> float:
+        """What tree rounds at this batch bucket took over their estimates (1 until a few were seen). At a batch of
+        many requests a tree round chosen between plain ones catches every request's drafter context up, which
+        steady rounds' costs leave out; so do graph timings for a bucket not yet played."""
+        record = self.tree_calibration.get((lookup, batch_bucket(batch)))
+        return record.factor if record is not None else 1.0
+
     def round_seconds(self, batch: int, budget: int, lookup: bool = False) -> float | None:
         """Estimated time of one round of `batch` requests at round budget `budget` (`lookup`: prompt lookup's trees
-        alone); None when unknown."""
+        alone), before tree_factor; None when unknown."""
         batch = batch_bucket(batch)
         verify = self._verify_estimate(batch, tree_bucket(budget + 1))
         if verify is None:
@@ -446,12 +494,14 @@ class AdaptiveSpeculation:
         if report.budgets and trips:
             self.costs.observe_draft(report.batch, max(report.budgets.values()), max(trips),
                                      catch_up=any(found.catch_up for found in report.drafts), lookup=report.lookup)
+        choice = report.choice
+        if (choice is not None and choice.estimated_s is not None and report.drafted and not report.with_prompts):
+            self.costs.observe_tree_round(report.batch, choice.lookup, report.seconds, choice.estimated_s)
         if report.forward_batch and not report.with_prompts:
             # The whole round less its wait on drafters: everything a tree adds to the host's work (plans,
             # staging, the acceptance walk, the messages) as well as the forward. A drafter that failed is waited
             # on apart, so its stall does not price this round's verification.
             self.costs.observe_verify(report.forward_batch, report.largest_tree, report.seconds - report.drafters_s)
-        choice = report.choice
         if choice is None or choice.expected_drafted is None or not report.drafted:
             return None
         realized = max(0, report.tokens - len(report.requests))
@@ -506,20 +556,21 @@ class AdaptiveSpeculation:
             # an unmeasured bucket with only larger ones measured is, plain decoding could never win a round.
             return Choice(0)
         # Each candidate is (lookup's trees alone, budget); plain decoding is (False, 0).
-        rates, seconds, drafted, gained = {}, {}, {}, {}
+        rates, estimated, seconds, drafted, gained = {}, {}, {}, {}, {}
         for source in (False, True) if lookup else (False,):
             model = self.lookup_acceptance if source else self.acceptance
             overall = model.overall_slope()
-            slopes = [(model.slope(request_id, overall), own) for request_id, own in asked.items()]
-            factor = model.calibration_factor(batch)
+            expected = ExpectedDrafts([(model.slope(request_id, overall), own) for request_id, own in asked.items()])
+            factor, cost_factor = model.calibration_factor(batch), self.costs.tree_factor(batch, source)
             for step in steps:
                 if source and step == 0:
                     continue
                 key = (source, step)
-                seconds[key] = self.costs.round_seconds(batch, step, source)
-                if seconds[key] is None:  # nothing measured at this batch size yet: speculate as asked, and learn
+                estimated[key] = self.costs.round_seconds(batch, step, source)
+                if estimated[key] is None:  # nothing measured at this batch size yet: speculate as asked, and learn
                     return Choice(most)
-                drafted[key] = sum(tokens_per_round(slope, min(step, own)) - 1 for slope, own in slopes) if step else 0.0
+                seconds[key] = estimated[key] * cost_factor if step else estimated[key]
+                drafted[key] = expected.at(step)
                 gained[key] = factor * drafted[key]
                 rates[key] = (batch + gained[key]) / max(seconds[key], 1e-9)
         best = max(rates, key=lambda key: (rates[key], -key[1]))  # ties: the smaller tree
@@ -536,11 +587,11 @@ class AdaptiveSpeculation:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("adaptive: batch %d, expected tokens/s by (lookup, budget) %s", batch,
                       {key: round(rate, 1) for key, rate in rates.items()})
-        best = self._explore(best, rates, seconds, batch, first_try)
-        if best[1] == 0:
+        chosen = self._explore(best, rates, seconds, batch, first_try)
+        if chosen[1] == 0:
             self.plain_signature, self.plain_round_s = signature, seconds[plain]
-        return Choice(best[1], (batch + gained[best], seconds[best]), drafted[best] if best[1] > 0 else None,
-                      lookup=best[0])
+        return Choice(chosen[1], (batch + gained[chosen], seconds[chosen]), drafted[chosen] if chosen[1] > 0 else None,
+                      lookup=chosen[0], estimated_s=estimated[chosen] if chosen[1] > 0 and chosen == best else None)
 
     def _explore(self, best: tuple[bool, int], rates: dict, seconds: dict, batch: int, first_try: bool = False
                  ) -> tuple[bool, int]:
