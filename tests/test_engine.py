@@ -223,8 +223,9 @@ def test_requests_batched_into_one_forward_each_get_their_own_output():
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_kept_features_reach_the_host_in_order_when_flushed(device):
     """FeatureBacklog: rows gathered over rounds land on each request's feature chunks in round order, one
-    chunk per request and transfer, only when flushed (before a draft) or once FLUSH_ROUNDS rounds piled up;
-    from a GPU, in page-locked memory. A long request's views of shared transfers get joined into its own."""
+    chunk per request and transfer, only when flushed (before a draft) or, without `prepare`, once BACKSTOP times
+    FLUSH_ROUNDS rounds piled up; from a GPU, in page-locked memory. A long request's views of shared transfers get
+    joined into its own."""
     from treeserve.verifier.engine import FeatureBacklog, TargetFeatures
     from treeserve.verifier.rows import Rows
 
@@ -252,8 +253,10 @@ def test_kept_features_reach_the_host_in_order_when_flushed(device):
     assert [chunk.flatten().tolist() for chunk in b.chunks] == [[3, 4, 5, 7]]
     backlog.flush()  # nothing left: nothing added
     assert len(a.chunks) == 1 and len(b.chunks) == 1
-    for _ in range(FeatureBacklog.FLUSH_ROUNDS):
+    for _ in range(FeatureBacklog.BACKSTOP * FeatureBacklog.FLUSH_ROUNDS - 1):
         round_of((a, 1))
+    assert len(a.chunks) == 1 and backlog.rounds
+    round_of((a, 1))
     assert len(a.chunks) == 2 and not backlog.rounds  # moved without a flush
     backlog.flush()  # (from a GPU, that copy may still be running until a flush)
     assert received(a) == sent[id(a)] and received(b) == sent[id(b)]
@@ -294,6 +297,38 @@ def test_kept_features_of_a_few_requests_among_a_forwards_rows(device):
     backlog.flush()
     for request in (a, b, c):
         assert torch.cat(request.chunks).tolist() == expected[id(request)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_prepared_features_are_copied_at_launch_and_moved_when_due(device):
+    """FeatureBacklog.prepare, at a forward's launch: the rows of the plans that keep features are copied then
+    (what overwrites the output before the commit does not reach them), the others' left as they are; the commit's
+    `add` piles the copies without copying again; and once FLUSH_ROUNDS rounds have piled up, the next launch moves
+    them to the host."""
+    from treeserve.verifier.engine import FeatureBacklog, TargetFeatures
+    from treeserve.verifier.rows import Rows
+
+    keeping, plain = TargetFeatures((0,), keep=True), TargetFeatures((0,), keep=False)
+    backlog = FeatureBacklog()
+    output = torch.empty(6, 2, device=device)  # a forward's outputs: a plain step's row, a tree's five
+    expected = []
+    for number in range(FeatureBacklog.FLUSH_ROUNDS + 1):
+        output.copy_(torch.arange(12, dtype=torch.float32, device=device).view(6, 2) + 100 * number)
+        moved_before = len(keeping.chunks)
+        features = backlog.prepare([Rows(output, range(0, 1)), Rows(output, range(1, 6))], [False, True])
+        assert features[0].source is output and features[1].source is not output
+        assert len(keeping.chunks) == moved_before + (number == FeatureBacklog.FLUSH_ROUNDS)
+        accepted = [0, 2, 3]  # the tree's root and an accepted path
+        expected += output[[1 + node for node in accepted]].tolist()
+        output.fill_(-1)  # the next replay, before this round's commit
+        keeping.take(features[1], accepted)
+        plain.take(features[0], [0])
+        copies = len(backlog.copies)
+        backlog.add([keeping])
+        assert backlog.copies[copies].data_ptr() == features[1].source.data_ptr()  # piled as prepared: no copy
+    backlog.flush()
+    assert torch.cat(keeping.chunks).tolist() == expected
 
 
 def test_kept_features_flushed_every_round_are_each_requests_own_rows():

@@ -192,6 +192,10 @@ class FeatureBacklog:
     FLUSH_ROUNDS rounds or FLUSH_BYTES have piled up. A transfer in every round would be a synchronising copy in
     every round, drafting or not.
 
+    The scheduler calls `prepare` as it launches a forward: the forward's rows of the requests that keep features
+    are copied then, and a transfer that is due starts then, both queued behind the forward, so that their host
+    work (launches, page-locked memory) runs while the device verifies rather than after it, on the round's path.
+
     From a GPU, the piled-up rows go to page-locked host memory without the host waiting for them (a pageable
     copy waits for the device); `flush` waits. A request's chunks are views of one transfer for many requests,
     which stays allocated while any of them holds a view: every JOIN_CHUNKS transfers, a request's newest views
@@ -199,6 +203,8 @@ class FeatureBacklog:
     transfer it was in."""
 
     FLUSH_ROUNDS, FLUSH_BYTES, JOIN_CHUNKS = 32, 64 << 20, 8
+    # Without `prepare`, `add` moves the pile itself, at this many times the bounds: a backstop for its other callers.
+    BACKSTOP = 2
     LISTED_ROWS = 512  # rows of one round that _grouped orders as Python lists
 
     def __init__(self):
@@ -208,37 +214,53 @@ class FeatureBacklog:
         self.kept: list[tuple[TargetFeatures, range | list[int]]] = []
         self.rounds = self.bytes = 0
         self.copied: torch.cuda.Event | None = None  # where the last copy to the host ends, while one may run
+        self.launch_copies: list[torch.Tensor] = []  # the forward's rows that `prepare` copied, until `add`
+
+    def prepare(self, features: list[Rows | None], keeps: list[bool]) -> list[Rows | None]:
+        """At a forward's launch, behind it on the device: a transfer of the rows piled so far if one is due, and a
+        copy of the rows of each plan that `keeps` its features (a CUDA graph's outputs are overwritten by its next
+        replay), one slice of each output. Returns the plans' features, those rows now in the copies; `add` piles
+        them as they are."""
+        if self.rounds >= self.FLUSH_ROUNDS or self.bytes >= self.FLUSH_BYTES:
+            self._to_host()
+        self.launch_copies = []
+        spans = _spans_of_sources([rows for rows, keep in zip(features, keeps) if keep and rows is not None])
+        if not spans:
+            return features
+        copies = {}  # id(source) -> (the copy of its span, the span's first row)
+        for key, (source, first, end) in spans.items():
+            copies[key] = (source[first:end].clone(), first)
+            self.launch_copies.append(copies[key][0])
+        prepared = []
+        for rows, keep in zip(features, keeps):
+            if keep and rows is not None:
+                copy, first = copies[id(rows.source)]
+                rows = Rows(copy, _shifted(rows.index, -first))
+            prepared.append(rows)
+        return prepared
 
     def add(self, requests: list[TargetFeatures]) -> None:
-        """This round's `last` rows of these requests, copied (a CUDA graph's outputs are overwritten by its next
-        replay) as one slice of each source holding all of them. Only their rows go to the host (`_to_host`):
-        gathering them by index here would make an index and page-lock it in every round."""
+        """This round's `last` rows of these requests, piled as one slice of each source holding all of them
+        (copied, unless `prepare` copied that source). Only their rows go to the host (`_to_host`): gathering them
+        by index here would make an index and page-lock it in every round."""
         if not requests:
             return
-        spans: dict[int, list] = {}  # id(source) -> [source, first row, end row]
-        for features in requests:
-            rows = features.last
-            first, end = (rows.index.start, rows.index.stop) if is_run(rows.index) else (
-                min(rows.index), max(rows.index) + 1)
-            span = spans.get(id(rows.source))
-            if span is None:
-                spans[id(rows.source)] = [rows.source, first, end]
-            else:
-                span[1], span[2] = min(span[1], first), max(span[2], end)
+        spans = _spans_of_sources([features.last for features in requests])
         shift = {}  # id(source) -> what turns its row numbers into row numbers of the piled copies
         for key, (source, first, end) in spans.items():
             shift[key] = self.piled_rows - first
-            self.copies.append(source[first:end].clone())
+            copied = any(source is copy for copy in self.launch_copies)
+            self.copies.append(source[first:end] if copied else source[first:end].clone())
             self.piled_rows += end - first
             self.bytes += self.copies[-1].numel() * self.copies[-1].element_size()
         for features in requests:
             rows = features.last
             by = shift[id(rows.source)]
             index = rows.index
-            self.kept.append((features, range(index.start + by, index.stop + by) if is_run(index)
-                              else [row + by for row in index]))
+            self.kept.append((features, _shifted(index, by)))
         self.rounds += 1
-        if self.rounds >= self.FLUSH_ROUNDS or self.bytes >= self.FLUSH_BYTES:
+        self.launch_copies = []
+        if self.rounds >= self.BACKSTOP * self.FLUSH_ROUNDS or self.bytes >= self.BACKSTOP * self.FLUSH_BYTES:
             self._to_host()
 
     def flush(self) -> None:
@@ -313,6 +335,29 @@ class FeatureBacklog:
             grouped = select_rows(piled, order)
         totals = np.bincount(owners, weights=counts, minlength=len(requests)).astype(np.int64).tolist()
         return requests, totals, grouped
+
+
+def _row_span(index: range | list[int]) -> tuple[int, int]:
+    """The first row of an index and the row after its last."""
+    return (index.start, index.stop) if is_run(index) else (min(index), max(index) + 1)
+
+
+def _spans_of_sources(parts: list[Rows]) -> dict[int, list]:
+    """id(source) -> [source, first row, end row]: for each output these parts are rows of, the one slice holding
+    all of their rows."""
+    spans: dict[int, list] = {}
+    for rows in parts:
+        first, end = _row_span(rows.index)
+        span = spans.get(id(rows.source))
+        if span is None:
+            spans[id(rows.source)] = [rows.source, first, end]
+        else:
+            span[1], span[2] = min(span[1], first), max(span[2], end)
+    return spans
+
+
+def _shifted(index: range | list[int], by: int) -> range | list[int]:
+    return range(index.start + by, index.stop + by) if is_run(index) else [row + by for row in index]
 
 
 def commit_round(generations: list["Generation"], plans: list[ForwardPlan], logits: list[Rows],

@@ -199,7 +199,7 @@ class TargetRunner:
         free to notice and fail the streams."""
         self.in_flight = True
         try:
-            args = (self.model, plans, self.feature_layer_ids, self.verifier, generations)
+            args = (self.model, plans, self.feature_layer_ids, self.verifier, generations, self.feature_backlog)
             if self.verifier.pool.data.device.type != "cuda" or self.verifier.mirror is not None:
                 return await asyncio.get_running_loop().run_in_executor(self.compute, forward_and_picks, *args)
             logits, features, picks = launch_forward_and_picks(*args)
@@ -213,11 +213,15 @@ class TargetRunner:
 
 
 def launch_forward_and_picks(model: DecoderLM, plans: list[ForwardPlan], feature_layer_ids: tuple[int, ...],
-                             verifier: TreeVerifier, generations: list[Generation]
-                             ) -> tuple[list, list, HostPicks]:
-    """forward_batch, then the round's picks and their copy to the host queued behind it, waiting for none."""
+                             verifier: TreeVerifier, generations: list[Generation],
+                             backlog: FeatureBacklog | None = None) -> tuple[list, list, HostPicks]:
+    """forward_batch, then the round's picks and their copy to the host queued behind it, then what `backlog`
+    prepares of the kept features (FeatureBacklog.prepare), waiting for none."""
     logits, features = forward_batch(model, plans, feature_layer_ids, verifier)
-    return logits, features, HostPicks(pick_round(generations, plans, logits))
+    picks = HostPicks(pick_round(generations, plans, logits))
+    if backlog is not None:
+        features = backlog.prepare(features, [generation.features.keep for generation in generations])
+    return logits, features, picks
 
 
 def forward_and_picks(*args) -> tuple[list, list, list[list[int]]]:
