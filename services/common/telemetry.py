@@ -16,7 +16,7 @@ import collections
 import dataclasses
 import logging
 import os
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, NamedTuple
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -118,6 +118,17 @@ PHASE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1,
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+class BudgetCounters(NamedTuple):
+    """VerifierMetrics' counters of one round budget label."""
+
+    rounds: Counter
+    checked_rounds: Counter
+    expected_tokens: Counter
+    realized_tokens: Counter
+    expected_seconds: Counter
+    realized_seconds: Counter
+
+
 class VerifierMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -169,10 +180,22 @@ class VerifierMetrics:
         self.checked_seconds = Counter(
             "treeserve_verifier_checked_seconds", "Adaptive speculation: seconds those rounds were expected to take "
             "(kind=expected) and took (kind=realized)", ["budget", "kind"], registry=r)
+        self._by_budget: dict[str, BudgetCounters] = {}
         self.realized_over_expected = Gauge(
             "treeserve_verifier_realized_over_expected", "Adaptive speculation: drafted tokens that recent "
             "speculative rounds at this batch bucket emitted over what its model expected (it scales the model)",
             ["batch"], registry=r)
+
+    def by_budget(self, label: str) -> "BudgetCounters":
+        """The counters of rounds at this budget label, bound once per label: six labels() lookups in every round
+        are a visible part of a small target's round."""
+        found = self._by_budget.get(label)
+        if found is None:
+            found = self._by_budget[label] = BudgetCounters(
+                self.rounds_by_budget.labels(budget=label), self.checked_rounds.labels(budget=label),
+                *(self.checked_tokens.labels(budget=label, kind=kind) for kind in ("expected", "realized")),
+                *(self.checked_seconds.labels(budget=label, kind=kind) for kind in ("expected", "realized")))
+        return found
 
     def record_trees(self, trees: list[tuple[int, int]]) -> None:
         """A round's verified trees, as (drafted nodes, accepted depth) per request (0 drafted: a plain step,

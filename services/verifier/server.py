@@ -260,7 +260,7 @@ class Scheduler:
         metrics = self.metrics
         if report.choice is not None:
             metrics.round_budget.set(report.choice.budget)
-            metrics.rounds_by_budget.labels(budget=report.choice.label).inc()
+            metrics.by_budget(report.choice.label).rounds.inc()
         for found in report.drafts:
             if found.trees:
                 metrics.phase_seconds["draft"].observe(found.propose_s)
@@ -287,12 +287,12 @@ class Scheduler:
         if report.choice is None or report.choice.expected is None:
             return
         expected_tokens, expected_s = report.choice.expected
-        label = report.choice.label
-        self.metrics.checked_rounds.labels(budget=label).inc()
-        self.metrics.checked_tokens.labels(budget=label, kind="expected").inc(expected_tokens)
-        self.metrics.checked_tokens.labels(budget=label, kind="realized").inc(report.tokens)
-        self.metrics.checked_seconds.labels(budget=label, kind="expected").inc(expected_s)
-        self.metrics.checked_seconds.labels(budget=label, kind="realized").inc(seconds)
+        counters = self.metrics.by_budget(report.choice.label)
+        counters.checked_rounds.inc()
+        counters.expected_tokens.inc(expected_tokens)
+        counters.realized_tokens.inc(report.tokens)
+        counters.expected_seconds.inc(expected_s)
+        counters.realized_seconds.inc(seconds)
 
 
 def round_attributes(request: RequestReport, report: RoundReport) -> dict:
