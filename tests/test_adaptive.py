@@ -602,42 +602,50 @@ def test_expected_drafts_sum_every_requests_expected_tokens():
             assert expected.at(budget_step) == pytest.approx(want, rel=1e-9, abs=1e-9)
 
 
-def test_tree_rounds_dearer_than_estimated_make_trees_dearer_at_their_batch():
-    """Where tree rounds chosen on their merits take longer than the costs estimated (at a batch of many requests,
-    each chosen between plain rounds catches every request's drafter context up, which steady costs leave out),
-    their batch bucket's tree estimates are scaled by what such rounds took, and plain decoding wins there. A lone
-    request's rounds and tries teach no such factor."""
+def test_tree_rounds_that_catch_up_dearer_than_estimated_make_trees_after_plain_rounds_dearer():
+    """Where tree rounds chosen on their merits after plain rounds take longer than the costs estimated (each
+    catches every request's drafter context up, which steady costs leave out), trees after plain rounds at that
+    batch bucket are priced by what such rounds took, and plain decoding goes on there. Trees after trees are steady
+    rounds, priced as measured: after a try has caught the contexts up, trees that pay are played again."""
     tree_costs = {1: 5.0, 2: 5.3, 3: 5.6, 5: 6.0, 9: 6.7, 17: 7.5}
-    ids = [f"r{i}" for i in range(8)]
+    good = {f"g{i}": 16 for i in range(8)}  # 3 tokens a round at budget 16: 1.7x plain decoding's tokens a second
+    poor = {f"p{i}": 16 for i in range(7)}  # 1 token a round: plain decoding
 
-    def played(batch: int, catch_up_ms: float) -> list[int]:
+    def trees(asked: dict[str, int], round_trip_ms: float) -> list[DraftRound]:
+        return [DraftRound({i: DraftTree([1, 2], [-1, 0]) for i in asked}, round_trip_s=round_trip_ms / 1000,
+                           catch_up=round_trip_ms > 1)]
+
+    def policy(batch: int) -> AdaptiveSpeculation:
         adaptive = AdaptiveSpeculation()
-        asked = {i: 16 for i in ids[:batch]}
         costs(adaptive, batch, tree_costs, draft_ms=0.5)
-        accept(adaptive, asked, 16, 3)  # 3 tokens a round at budget 16: 1.7x plain decoding's tokens a second
-        choices = []
-        for _ in range(2 * Calibration.SETTLED):
-            choice = adaptive.choose(asked, batch=batch)
-            choices.append(choice.budget)
-            drafts = [DraftRound({i: DraftTree([1, 2], [-1, 0]) for i in asked}, round_trip_s=catch_up_ms / 1000,
-                                 catch_up=True)] if choice.budget else []
-            requests = {i: (choice.budget, 3) if choice.budget else (0, 1) for i in asked}
-            adaptive.observe(report(choice, batch, requests, tree_costs[tree_bucket_of(choice.budget)], drafts))
-        return choices
+        accept(adaptive, good, 16, 3)
+        return adaptive
 
-    assert played(8, catch_up_ms=20.0) == [16] * Calibration.SETTLED + [0] * Calibration.SETTLED
-    assert played(8, catch_up_ms=0.5) == [16] * (2 * Calibration.SETTLED)
-    assert played(1, catch_up_ms=20.0) == [16] * (2 * Calibration.SETTLED)  # a lone request: its own choice
-    adaptive = AdaptiveSpeculation()
-    costs(adaptive, 8, tree_costs, draft_ms=0.5)
-    accept(adaptive, ids, 16, 1)  # trees that do not pay: tries now and then, which price their catch-up apart
-    for _ in range(200):
-        choice = adaptive.choose({i: 16 for i in ids}, batch=8)
-        assert choice.estimated_s is None
-        drafts = [DraftRound({i: DraftTree([1, 2], [-1, 0]) for i in ids}, round_trip_s=0.02, catch_up=True)]
-        adaptive.observe(report(choice, 8, {i: (choice.budget, 1) if choice.budget else (0, 1) for i in ids},
-                                tree_costs[tree_bucket_of(choice.budget)], drafts if choice.budget else []))
-    assert adaptive.costs.tree_factor(8) == 1.0
+    def catch_ups(adaptive: AdaptiveSpeculation, batch: int, catch_up_ms: float) -> list[int]:
+        """The budgets of tree choices that each follow a plain round, and take `catch_up_ms` to draft."""
+        played = []
+        for _ in range(2 * Calibration.SETTLED):
+            accept(adaptive, poor, 16, 1, rounds=100)  # requests whose trees keep missing: a plain round
+            assert adaptive.choose(poor, batch=batch).budget == 0
+            choice = adaptive.choose(good, batch=batch)
+            played.append(choice.budget)
+            if choice.budget:
+                assert choice.estimated_s is not None
+                adaptive.observe(report(choice, batch, {i: (16, 3) for i in good}, tree_costs[17],
+                                        trees(good, catch_up_ms)))
+        return played
+
+    adaptive = policy(8)
+    assert catch_ups(adaptive, 8, catch_up_ms=20.0) == [16] * Calibration.SETTLED + [0] * Calibration.SETTLED
+    assert adaptive.costs.tree_factor(8) > 2
+    assert catch_ups(policy(8), 8, catch_up_ms=0.5) == [16] * (2 * Calibration.SETTLED)
+    assert catch_ups(policy(1), 1, catch_up_ms=20.0) == [16] * (2 * Calibration.SETTLED)  # a lone request: tries
+    # A try (every so many plain rounds) catches the contexts up; it teaches no factor, and trees go on after it.
+    try_choice = next(choice for _ in range(1000) if (choice := adaptive.choose(good, batch=8)).budget)
+    assert try_choice.estimated_s is None
+    adaptive.observe(report(try_choice, 8, {i: (16, 3) for i in good}, tree_costs[17], trees(good, 20.0)))
+    steady = adaptive.choose(good, batch=8)
+    assert steady.budget == 16 and steady.estimated_s is None
 
 
 def tree_bucket_of(budget: int) -> int:

@@ -14,8 +14,9 @@ speculating request drafts min(T, its own budget), and
                 / (draft_time(batch, T) + verify_time(batch, T + 1 nodes)),
 
 plain decoding (T = 0) kept unless the best tree promises MARGIN times its tokens a second. c(batch) scales the
-acceptance model by what speculative rounds at that batch bucket really drafted over what it expected of them; at a
-batch of more than one request, a tree's estimated time is scaled the same way by what tree rounds there took.
+acceptance model by what speculative rounds at that batch bucket really drafted over what it expected of them. At a
+batch of more than one request, a tree round after plain rounds (which catches every request's drafter context up)
+is priced the same way, by what such rounds took there over their estimates.
 
 A drafter that also drafts by prompt lookup alone (the merged drafter: `DrafterLink.lookup_trees`) offers each
 budget twice: its own tree, or lookup's, which costs no model forward and so can pay at batches where the
@@ -213,16 +214,16 @@ class CostModel:
         return max(0.0, caught_up.value - self._draft_estimate(bucket, tree_bucket(budget + 1), lookup))
 
     def observe_tree_round(self, batch: int, lookup: bool, seconds: float, estimated: float) -> None:
-        """A round of trees chosen on their merits, without a prompt, took `seconds` where `estimated` (by
-        round_seconds, uncalibrated) were expected. A lone request is left out: its trees are played in runs, and
-        the catch-up after plain rounds that makes the difference is its own choice to price (tries)."""
+        """A round of trees chosen on their merits that caught the drafters' contexts up (after plain rounds),
+        without a prompt, took `seconds` where `estimated` (by round_seconds, uncalibrated) were expected. A lone
+        request is left out: its trees are played in runs, and its catch-ups are priced as tries."""
         if batch_bucket(batch) > 1:
             self.tree_calibration.setdefault((lookup, batch_bucket(batch)), Calibration()).add(seconds, estimated)
 
     def tree_factor(self, batch: int, lookup: bool = False) -> float:
-        """What tree rounds at this batch bucket took over their estimates (1 until a few were seen). At a batch of
-        many requests a tree round chosen between plain ones catches every request's drafter context up, which
-        steady rounds' costs leave out; so do graph timings for a bucket not yet played."""
+        """What tree rounds that caught up took over their estimates at this batch bucket (1 until a few were seen):
+        at a batch of many requests such a round catches every request's drafter context up, which the steady
+        rounds' costs leave out."""
         record = self.tree_calibration.get((lookup, batch_bucket(batch)))
         return record.factor if record is not None else 1.0
 
@@ -470,6 +471,7 @@ class AdaptiveSpeculation:
         self.plain_signature: tuple | None = None
         self.plain_round_s = 0.0  # the estimated plain round of that choice
         self.reused = 0
+        self.last_played: Choice = Choice(0)  # the last round's choice
 
     # ----------------------------------------------------------------------------------- the policy interface
 
@@ -530,6 +532,7 @@ class AdaptiveSpeculation:
         first_try = batch == 1 and any(request_id not in self.tried and request_id not in self.acceptance.slopes
                                        for request_id in asked)
         choice = self._choose(asked, batch, first_try, lookup)
+        self.last_played = choice
         if choice.budget == 0:  # a plain round: what the requests' trees did ages
             self.acceptance.age(asked, self.PLAIN_AGING)
             self.lookup_acceptance.age(asked, self.PLAIN_AGING)
@@ -561,7 +564,8 @@ class AdaptiveSpeculation:
             model = self.lookup_acceptance if source else self.acceptance
             overall = model.overall_slope()
             expected = ExpectedDrafts([(model.slope(request_id, overall), own) for request_id, own in asked.items()])
-            factor, cost_factor = model.calibration_factor(batch), self.costs.tree_factor(batch, source)
+            factor = model.calibration_factor(batch)
+            cost_factor = self.costs.tree_factor(batch, source) if self._catches_up(source) else 1.0
             for step in steps:
                 if source and step == 0:
                     continue
@@ -590,8 +594,16 @@ class AdaptiveSpeculation:
         chosen = self._explore(best, rates, seconds, batch, first_try)
         if chosen[1] == 0:
             self.plain_signature, self.plain_round_s = signature, seconds[plain]
+        calibrated = chosen[1] > 0 and chosen == best and self._catches_up(chosen[0])
         return Choice(chosen[1], (batch + gained[chosen], seconds[chosen]), drafted[chosen] if chosen[1] > 0 else None,
-                      lookup=chosen[0], estimated_s=estimated[chosen] if chosen[1] > 0 and chosen == best else None)
+                      lookup=chosen[0], estimated_s=estimated[chosen] if calibrated else None)
+
+    def _catches_up(self, lookup: bool) -> bool:
+        """Whether a round of these trees would catch the drafters' contexts up: after a plain round, and for the
+        drafter's own trees after lookup's alone too (those send no features). Only such rounds are scaled by, and
+        teach, CostModel.tree_factor: a round after a tree round is a steady one, which the steady costs price."""
+        last = self.last_played
+        return last.budget == 0 or (last.lookup and not lookup)
 
     def _explore(self, best: tuple[bool, int], rates: dict, seconds: dict, batch: int, first_try: bool = False
                  ) -> tuple[bool, int]:

@@ -60,8 +60,9 @@ class Choice:
     # (AdaptiveSpeculation.observe); None where the choice made no such estimate.
     expected_drafted: float | None = None
     lookup: bool = False
-    # The cost model's estimate of the round's seconds, before calibration: what its trees took is checked against
-    # it (CostModel.observe_tree_round). None for a plain round, and for a try, whose catch-up is priced apart.
+    # The cost model's estimate of the round's seconds, before calibration, where the round catches the drafters'
+    # contexts up: what its trees took is checked against it (CostModel.observe_tree_round). None otherwise, and
+    # for a try, whose catch-up is priced apart.
     estimated_s: float | None = None
 
     @property
