@@ -177,7 +177,7 @@ class CostModel:
         # lookup -> batch bucket -> drafter round trips that caught up
         self.catch_up_s: dict[bool, dict[int, RecentCost]] = {False: {}, True: {}}
         self.graph_s: dict[int, dict[int, float]] = {}  # each captured graph's replay alone, timed at start-up
-        # (lookup, batch bucket) -> what tree rounds chosen on their merits took over what was estimated for them
+        # (lookup, batch bucket) -> what tree rounds that caught the drafters up took over their estimates
         self.tree_calibration: dict[tuple[bool, int], Calibration] = {}
 
     @staticmethod
