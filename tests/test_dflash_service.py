@@ -4,13 +4,14 @@ service builds its context from them, and a drafter restarted mid-stream gets ev
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
 from random_targets import random_dflash_drafter, random_target, target_features, word_tokenizer
-from treeserve import serving
+from treeserve import feature_region, serving
 from treeserve.drafter import server as drafter_server
 from treeserve.drafter.server import DrafterServicer
 from treeserve.framing import FramedCall
@@ -23,6 +24,7 @@ from treeserve.verifier.adaptive import AdaptiveSpeculation
 from treeserve.verifier.drafter_link import DrafterLink
 from treeserve.verifier.round import Choice, FixedSpeculation
 from treeserve.verifier.server import VerifierServicer
+from treeserve.wire import features_to_proto
 
 VOCAB = 64
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1], [9, 8, 7, 6], [5, 5, 5, 5, 5, 6], [4, 20, 4, 21, 4]]
@@ -127,24 +129,31 @@ def serve_prompts(tmp_path, target, drafter, speculation):
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("message_rows", [None, 3], ids=["one-message", "split-every-3-rows"])
+@pytest.mark.parametrize("region_rows, message_rows", [(None, None), (5, None), (0, None), (0, 3)],
+                         ids=["feature-region", "region-of-5-rows", "in-messages", "in-messages-split-every-3-rows"])
 def test_dflash_through_the_services_is_lossless_and_gets_the_target_features(tmp_path, target, monkeypatch,
-                                                                             message_rows):
-    """With message_rows, a round's features go out in messages of at most that many rows (as a long prompt or
-    a large catch-up would, beyond gRPC's message limit): the drafter gets the same features, in order."""
+                                                                             region_rows, message_rows):
+    """Features go through the feature region the verifier shares with a drafter on its host (region_rows: its
+    size in rows, None for the default), rows that do not fit it in the messages; with message_rows, a round's
+    features in messages go out in messages of at most that many rows (as a long prompt or a large catch-up would,
+    beyond gRPC's message limit). Every way, the drafter gets the same features, in order."""
     drafter = recording_drafter(target)
+    row_bytes = drafter.feature_size * 4
     if message_rows:
-        monkeypatch.setattr(drafter_link, "MESSAGE_FEATURE_BYTES", message_rows * drafter.feature_size * 4)
-    messages_per_round = []
+        monkeypatch.setattr(drafter_link, "MESSAGE_FEATURE_BYTES", message_rows * row_bytes)
+    messages = []  # each round's
 
     async def main():
         drafter_service = await start_drafter(tmp_path, drafter)
-        link = DrafterLink(drafter_service.address, timeout_s=5.0)
+        region_bytes = feature_region.DEFAULT_REGION_BYTES if region_rows is None else region_rows * row_bytes
+        link = DrafterLink(drafter_service.address, timeout_s=5.0, region_bytes=region_bytes)
         build = link._messages
-        link._messages = lambda *args: messages_per_round.append(len(built := build(*args))) or built
+        link._messages = lambda *args: messages.append(built := build(*args)) or built
         verifier, scheduler, task = await start_verifier(tmp_path, target, link)
         assert link.up and scheduler.feature_layer_ids == drafter.feature_layer_ids
         assert isinstance(link.call, FramedCall)  # a drafter on this host: frames on its own socket
+        assert (link.region is not None) == (region_bytes > 0)
+        assert link.region is None or not Path(link.region.path).exists()  # mapped at both ends: unlinked
         async with grpc.aio.insecure_channel(verifier.address) as channel:
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
             outputs = await asyncio.gather(*(collect(stub, request(p)) for p in PROMPTS))
@@ -160,7 +169,11 @@ def test_dflash_through_the_services_is_lossless_and_gets_the_target_features(tm
     for prompt, output in zip(PROMPTS + PROMPTS[:1], outputs):
         assert output == expected(target, prompt)
     assert check_received_features(target, drafter) == len(PROMPTS)
-    assert stayed_up and (max(messages_per_round) > 1) == bool(message_rows)
+    assert stayed_up and (max(map(len, messages)) > 1) == bool(message_rows)
+    sent = [item.features for round_messages in messages for message in round_messages for item in message.items
+            if item.HasField("features") and item.features.shape[0]]
+    in_region = [features.HasField("region_offset") for features in sent]
+    assert any(in_region) == (region_rows != 0) and all(in_region) == (region_rows is None)
     # Finished requests, then the closed stream, gave every context block back to the drafter's pool.
     assert drafter.pool.allocator.free_count == drafter.pool.allocator.num_blocks
 
@@ -399,7 +412,6 @@ def test_rows_may_come_after_their_tokens_but_not_after_an_own_tree(tmp_path, ta
     """A merged drafter's round of prompt lookup's trees alone may carry tokens without their feature rows; a round
     that asks for its own tree must bring every row the context lacks, or it is refused."""
     from treeserve.drafter.merged import MergedDrafter
-    from treeserve.wire import features_to_proto
 
     drafter = MergedDrafter(random_dflash_drafter(target.model, "ddtree"))
 
@@ -428,3 +440,49 @@ def test_rows_may_come_after_their_tokens_but_not_after_an_own_tree(tmp_path, ta
     *trees, refused = asyncio.run(main())
     assert trees == [1, 1, 1, 1]  # the rows of 4, 5 and 6 came in two later rounds
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "expected (1, " in refused.details()
+
+
+def test_a_feature_region_that_cannot_be_mapped_is_declined_and_rows_out_of_it_are_refused(tmp_path, target):
+    """The drafter answers a region it cannot map with why, and the stream goes on, features in the messages; rows
+    said to lie beyond the region, or in a region a gRPC stream cannot have, are refused with why."""
+    drafter = random_dflash_drafter(target.model, "chain")
+    width = drafter.feature_size
+
+    def round_of(round_, features):
+        return drafter_pb2.DraftRequest(round=round_, items=[drafter_pb2.DraftItem(
+            request_id=f"r{round_}", new_token_ids=[1, 2, 3], budget=4, features=features)])
+
+    def in_region(offset):
+        return drafter_pb2.Features(shape=[2, width], dtype="float32", region_offset=offset)
+
+    async def main():
+        service = await start_drafter(tmp_path, drafter)
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+            info = await stub.GetInfo(drafter_pb2.DrafterServiceGetInfoRequest())
+            framed = await FramedCall.open(info.draft_socket, drafter_pb2.DraftResponse)
+            declined = await framed.share_region(str(tmp_path / "elsewhere"))
+            await framed.write(round_of(1, features_to_proto(torch.zeros(2, width))))
+            trees_after_declining = len((await framed.read()).trees)
+            region = feature_region.FeatureRegion(4 << 10)
+            accepted = await framed.share_region(region.path)
+            region.unlink()
+            placed = region.place([torch.ones(2, width)])
+            await framed.write(round_of(2, features_to_proto(placed)))
+            trees_in_region = len((await framed.read()).trees)
+            await framed.write(round_of(3, in_region(region.size - 64)))
+            with pytest.raises(ConnectionError) as beyond:
+                await framed.read()
+            region.close()
+            streamed = stub.Draft()
+            await streamed.write(round_of(1, in_region(0)))
+            with pytest.raises(grpc.aio.AioRpcError) as over_grpc:
+                await streamed.read()
+        await service.stop(0)
+        return declined, trees_after_declining, accepted, trees_in_region, str(beyond.value), over_grpc.value
+
+    declined, trees_after_declining, accepted, trees_in_region, beyond, over_grpc = asyncio.run(main())
+    assert "must be a treeserve-features-* file" in declined and trees_after_declining == 1
+    assert accepted == "" and trees_in_region == 1
+    assert "round 3" in beyond and "of a feature region of 4096 bytes" in beyond
+    assert over_grpc.code() == grpc.StatusCode.INVALID_ARGUMENT and "this stream has none" in over_grpc.details()

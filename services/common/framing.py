@@ -4,7 +4,8 @@ gRPC is the drafter's contract (GetInfo, health, reflection, and the Draft strea
 but each message through grpc.aio costs its core's threads and queues, several times what the same protobuf
 costs written to a socket: at a small target that is a good part of a round. A drafter listening on a Unix
 socket therefore also takes the same stream on a socket beside it (`local_draft_socket`, named in GetInfo): the
-same DraftRequest and DraftResponse messages, each in a frame of a kind byte and a length.
+same DraftRequest and DraftResponse messages, each in a frame of a kind byte and a length. A verifier whose
+drafter takes target features first offers it a feature region (`treeserve.feature_region`) in a REGION frame.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from treeserve.errors import TreeserveError
 from treeserve.serving import MESSAGE_OPTIONS, unix_socket_path
 
 HEADER = struct.Struct("<BI")  # kind, payload length
-MESSAGE, REFUSAL = 0, 1  # a protobuf message; the drafter's reason for ending the stream (UTF-8)
+# A protobuf message; the drafter's reason for ending the stream (UTF-8); a feature region's path from the
+# verifier, answered by the drafter with an empty REGION frame once mapped, or with why it cannot (UTF-8).
+MESSAGE, REFUSAL, REGION = 0, 1, 2
 MAX_FRAME_BYTES = dict(MESSAGE_OPTIONS)["grpc.max_receive_message_length"]  # as over gRPC
 # How much a stream's reader buffers before it stops reading the socket: a round's message at a large batch is
 # about a megabyte (its target features).
@@ -45,9 +48,9 @@ class Refused(ConnectionError):
     """The other end ended the stream with a refusal frame; the message is its reason."""
 
 
-async def read_message(reader: asyncio.StreamReader, message_type):
-    """The next frame's message (a `message_type`), or None where the stream ends between frames. Raises Refused
-    for a refusal frame, and FrameError for a frame that breaks the protocol (or a stream cut inside one)."""
+async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes] | None:
+    """The next frame's kind and payload, or None where the stream ends between frames. Raises Refused for a
+    refusal frame, and FrameError for a frame that breaks the protocol (or a stream cut inside one)."""
     try:
         header = await reader.readexactly(HEADER.size)
     except asyncio.IncompleteReadError as error:
@@ -55,7 +58,7 @@ async def read_message(reader: asyncio.StreamReader, message_type):
             return None
         raise FrameError("the stream ended inside a frame's header") from None
     kind, length = HEADER.unpack(header)
-    if kind not in (MESSAGE, REFUSAL):
+    if kind not in (MESSAGE, REFUSAL, REGION):
         raise FrameError(f"unknown frame kind {kind}")
     if length > MAX_FRAME_BYTES:
         raise FrameError(f"a frame of {length} bytes is above the limit of {MAX_FRAME_BYTES}")
@@ -65,10 +68,24 @@ async def read_message(reader: asyncio.StreamReader, message_type):
         raise FrameError(f"the stream ended inside a frame of {length} bytes") from None
     if kind == REFUSAL:
         raise Refused(payload.decode(errors="replace"))
+    return kind, payload
+
+
+def parse_message(kind: int, payload: bytes, message_type):
+    """A MESSAGE frame's `message_type`; FrameError for another kind of frame, or bytes that are no such message."""
+    if kind != MESSAGE:
+        raise FrameError(f"a frame of kind {kind} where a {message_type.DESCRIPTOR.name} was due")
     try:
         return message_type.FromString(payload)
     except DecodeError as error:
         raise FrameError(f"a frame that is no {message_type.DESCRIPTOR.name}: {error}") from None
+
+
+async def read_message(reader: asyncio.StreamReader, message_type):
+    """The next frame's message (a `message_type`), or None where the stream ends between frames; raises as
+    read_frame and parse_message do."""
+    frame = await read_frame(reader)
+    return None if frame is None else parse_message(*frame, message_type)
 
 
 class FramedCall:
@@ -89,15 +106,31 @@ class FramedCall:
         await self.writer.drain()
 
     async def read(self):
+        kind, payload = await self._read_frame()
         try:
-            message = await read_message(self.reader, self.response_type)
+            return parse_message(kind, payload, self.response_type)
+        except FrameError as error:
+            raise ConnectionError(f"the draft socket broke the protocol: {error}") from None
+
+    async def share_region(self, path: str) -> str:
+        """Offers the drafter the feature region at `path`; returns "" once it has mapped it, else why it cannot."""
+        write_frame(self.writer, path.encode(), REGION)
+        await self.writer.drain()
+        kind, payload = await self._read_frame()
+        if kind != REGION:
+            raise ConnectionError(f"the draft socket answered a feature region with a frame of kind {kind}")
+        return payload.decode(errors="replace")
+
+    async def _read_frame(self) -> tuple[int, bytes]:
+        try:
+            frame = await read_frame(self.reader)
         except Refused as error:
             raise Refused(f"the drafter refused the stream: {error}") from None
         except FrameError as error:
             raise ConnectionError(f"the draft socket broke the protocol: {error}") from None
-        if message is None:
+        if frame is None:
             raise ConnectionError("the draft socket closed")
-        return message
+        return frame
 
     def cancel(self) -> None:
         self.writer.close()

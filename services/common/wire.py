@@ -38,29 +38,45 @@ FINISH_REASONS = {"stop": generation_pb2.FINISH_REASON_STOP, "length": generatio
 
 
 def features_to_proto(features, into: drafter_pb2.Features | None = None) -> drafter_pb2.Features:
-    """(tokens, width) hidden states (a torch tensor) as raw little-endian bytes plus their shape and dtype; filled
-    into a message's field (`into`) where given, so that the bytes are not copied once more into it."""
+    """(tokens, width) hidden states (a torch tensor) as raw little-endian bytes plus their shape and dtype, or for
+    rows written to the stream's feature region (a treeserve.feature_region.PlacedRows) where they lie; filled into
+    a message's field (`into`) where given, so that the bytes are not copied once more into it."""
     import torch  # here, not at the top: the gateway and clients use this module without torch
+
+    from treeserve.feature_region import PlacedRows
 
     name = str(features.dtype).removeprefix("torch.")
     if name not in FEATURE_DTYPES:
         raise TreeserveError(f"features of dtype {features.dtype} cannot be sent")
     message = drafter_pb2.Features() if into is None else into
-    message.data = features.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+    if isinstance(features, PlacedRows):
+        message.region_offset = features.offset
+    else:
+        message.data = features.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
     message.shape[:] = list(features.shape)
     message.dtype = name
     return message
 
 
-def features_from_proto(message: drafter_pb2.Features):
+def features_from_proto(message: drafter_pb2.Features, region=None):
+    """The rows a Features message carries, or points to in the stream's feature region (a
+    treeserve.feature_region.MappedRegion, None where the stream shared none), as a tensor of their own."""
     import torch
 
     if message.dtype not in FEATURE_DTYPES:
         raise TreeserveError(f"features of unknown dtype {message.dtype!r} (use {', '.join(FEATURE_DTYPES)})")
     dtype = getattr(torch, message.dtype)
     shape, data = tuple(message.shape), message.data  # each read of a bytes field copies it: read it once
-    if len(shape) != 2 or shape[0] * shape[1] * dtype.itemsize != len(data):
-        raise TreeserveError(f"features: {len(data)} bytes do not hold shape {shape} of {message.dtype}")
+    in_region = message.HasField("region_offset")
+    size = shape[0] * shape[1] * dtype.itemsize if len(shape) == 2 else -1
+    if size < 0 or (not in_region and size != len(data)) or (in_region and data):
+        raise TreeserveError(f"features: {len(data)} bytes do not hold shape {shape} of {message.dtype}"
+                             f"{' (whose rows are in the feature region)' if in_region else ''}")
+    if in_region:
+        if region is None:
+            raise TreeserveError("features in a feature region, but this stream has none (only a framed stream "
+                                 "can share one)")
+        return region.rows(message.region_offset, shape, dtype)
     if not data:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)

@@ -19,6 +19,7 @@ from opentelemetry import trace
 
 from treeserve import framing, serving
 from treeserve.errors import TreeserveError
+from treeserve.feature_region import MappedRegion
 from treeserve.telemetry import DrafterMetrics, Tracing
 from treeserve.tree import MAX_BUDGET, DraftContext, Drafter, DraftPoolFull, DraftTree
 from treeserve.v1 import drafter_pb2, drafter_pb2_grpc
@@ -78,7 +79,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is still loading")
         log.debug("draft stream opened by %s", context.peer())
         with self.stream() as answer:
-            async for request in request_iterator:
+            async for request in request_iterator:  # (no feature region over gRPC)
                 try:
                     response = answer(request)
                 except TreeserveError as error:
@@ -87,18 +88,25 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     async def serve_frames(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """The Draft stream of a verifier on this host, over the socket beside the gRPC one (treeserve.framing):
-        the same messages and answers; a bad one ends the stream with a refusal frame saying why."""
+        the same messages and answers, and the feature region it may share; a bad frame or round ends the stream
+        with a refusal frame saying why."""
         self.frame_writers.add(writer)
+        region: MappedRegion | None = None
         try:
             if self.drafter is None:
                 raise TreeserveError("the drafter is still loading")
             with self.stream() as answer:
-                while (request := await framing.read_message(reader, drafter_pb2.DraftRequest)) is not None:
-                    try:
-                        response = answer(request)
-                    except TreeserveError as error:
-                        raise TreeserveError(f"round {request.round}: {error}") from None
-                    framing.write_frame(writer, response.SerializeToString())
+                while (frame := await framing.read_frame(reader)) is not None:
+                    if frame[0] == framing.REGION:
+                        region, why_not = self.map_region(frame[1], region)
+                        framing.write_frame(writer, why_not.encode(), framing.REGION)
+                    else:
+                        request = framing.parse_message(*frame, drafter_pb2.DraftRequest)
+                        try:
+                            response = answer(request, region)
+                        except TreeserveError as error:
+                            raise TreeserveError(f"round {request.round}: {error}") from None
+                        framing.write_frame(writer, response.SerializeToString())
                     await writer.drain()
         except TreeserveError as error:  # a bad frame (framing.FrameError) or a bad round
             framing.write_frame(writer, str(error).encode(), framing.REFUSAL)
@@ -107,6 +115,20 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         finally:
             self.frame_writers.discard(writer)
             writer.close()
+            if region is not None:
+                region.close()
+
+    def map_region(self, payload: bytes, mapped: MappedRegion | None) -> tuple[MappedRegion | None, str]:
+        """The stream's feature region, from a verifier's offer (in place of any it offered before), and "" or why
+        it cannot be used."""
+        if mapped is not None:
+            mapped.close()
+        if not self.drafter.feature_layer_ids:
+            return None, f"the {self.drafter.name} drafter takes no features"
+        try:
+            return MappedRegion(payload.decode(errors="replace")), ""
+        except TreeserveError as error:
+            return None, str(error)
 
     async def listen_for_frames(self, path: Path) -> bool:
         """Take Draft streams as frames on `path` too, and say so in GetInfo; True if it listens there."""
@@ -135,16 +157,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     @contextlib.contextmanager
     def stream(self):
-        """One Draft stream's state, through whichever door it came: yields its `answer(request) -> response`
-        (TreeserveError for a bad round, which leaves every context as it was). The stream's contexts are freed
-        when it ends."""
+        """One Draft stream's state, through whichever door it came: yields its `answer(request, region=None) ->
+        response` (region: the stream's feature region; TreeserveError for a bad round, which leaves every context
+        as it was). The stream's contexts are freed when it ends."""
         contexts: dict[str, DraftContext] = {}  # request_id -> its draft context, this stream only
         dropped: set[str] = set()  # requests whose context did not fit: no trees for them, until they finish
         self.metrics.streams.inc()
 
-        def answer(request: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:
+        def answer(request: drafter_pb2.DraftRequest, region: MappedRegion | None = None) -> drafter_pb2.DraftResponse:
             started, held = time.perf_counter(), len(contexts)
-            trees = self.draft_round(request, contexts, dropped)
+            trees = self.draft_round(request, contexts, dropped, region)
             elapsed = time.perf_counter() - started
             self.metrics.contexts.inc(len(contexts) - held)
             self.metrics.rounds.inc()
@@ -161,10 +183,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             self.metrics.contexts.dec(len(contexts))
 
     def draft_round(self, request: drafter_pb2.DraftRequest, contexts: dict[str, DraftContext],
-                    dropped: set[str]) -> list[drafter_pb2.DraftTree]:
+                    dropped: set[str], region: MappedRegion | None = None) -> list[drafter_pb2.DraftTree]:
         # Check every item before touching any context, so a rejected round leaves none half-updated.
         seen: set[str] = set()
-        features = [self.check_item(item, contexts, dropped, seen) for item in request.items]
+        features = [self.check_item(item, contexts, dropped, seen, region) for item in request.items]
         asking: list[tuple[drafter_pb2.DraftItem, DraftContext]] = []
         for item, item_features in zip(request.items, features):
             if item.finished:
@@ -229,7 +251,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         return spans
 
     def check_item(self, item: drafter_pb2.DraftItem, contexts: dict[str, DraftContext], dropped: set[str],
-                   seen: set[str]):
+                   seen: set[str], region: MappedRegion | None = None):
         """Raises TreeserveError for a bad item; returns its features, decoded (None when it has none)."""
         if not item.request_id:
             raise TreeserveError("an item has no request_id")
@@ -247,9 +269,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if not item.finished and not item.new_token_ids and item.request_id not in contexts:
             raise TreeserveError(f"request {item.request_id!r} is unknown on this stream and the item has no "
                                  "tokens (a new request's first item carries its prompt)")
-        return self.check_features(item, contexts)
+        return self.check_features(item, contexts, region)
 
-    def check_features(self, item: drafter_pb2.DraftItem, contexts: dict[str, DraftContext]):
+    def check_features(self, item: drafter_pb2.DraftItem, contexts: dict[str, DraftContext],
+                       region: MappedRegion | None = None):
         """Features come for the tokens that entered the target's KV cache (every token but the newest, the next
         root), oldest first: an item that asks for the drafter's own tree brings every row its context still lacks;
         one that asks for none, or for prompt lookup's alone, may bring fewer (the rest come later)."""
@@ -269,4 +292,4 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             raise TreeserveError(f"request {item.request_id!r}: features of shape {shape} for {new} new tokens; "
                                  f"expected ({wanted}, {self.drafter.feature_size})"
                                  f"{'' if all_needed else ' or fewer rows'}")
-        return features_from_proto(item.features) if sent else None
+        return features_from_proto(item.features, region) if sent else None

@@ -1,5 +1,6 @@
 """The verifier's side of one drafter: a long-lived Draft stream (gRPC, or frames on the drafter's Unix socket
-when it is on this host: treeserve.framing), and what each request has been sent on it.
+when it is on this host: treeserve.framing, with feature rows through shared memory: treeserve.feature_region),
+and what each request has been sent on it.
 
 A request stays with one drafter, which holds its draft context. If the drafter is down, answers late or
 breaks the stream, the link marks itself down (its requests decode without trees meanwhile, never wrong) and
@@ -15,8 +16,10 @@ import socket
 import time
 
 import grpc
+import torch
 
 from treeserve.errors import TreeserveError
+from treeserve.feature_region import DEFAULT_REGION_BYTES, FeatureRegion, PlacedRows
 from treeserve.framing import FramedCall
 from treeserve.serving import client_options, normalize_address, unix_socket_path
 from treeserve.tree import DraftTree
@@ -84,12 +87,17 @@ class ContextPiece:
 
     request_id: str
     token_ids: list[int]
-    features: object | None  # (rows, width) torch tensor, or None for a drafter that takes no features
+    # (rows, width) torch tensor, or PlacedRows where they were written to the feature region, or None for a
+    # drafter that takes no features
+    features: object | None
     budget: int = 0  # the request's last piece asks for its tree; earlier ones only extend the context
 
     @property
     def feature_bytes(self) -> int:
-        return 0 if self.features is None else self.features.numel() * self.features.element_size()
+        """Bytes of features the message carries."""
+        if self.features is None or isinstance(self.features, PlacedRows):
+            return 0
+        return self.features.numel() * self.features.element_size()
 
 
 def split_context(request_id: str, token_ids: list[int], features, max_rows: int) -> list[ContextPiece]:
@@ -116,8 +124,12 @@ def describe(error: Exception) -> str:
 
 
 class DrafterLink:
-    def __init__(self, address: str, timeout_s: float, max_backoff_s: float = 5.0):
+    def __init__(self, address: str, timeout_s: float, max_backoff_s: float = 5.0,
+                 region_bytes: int = DEFAULT_REGION_BYTES):
+        """region_bytes: the feature region offered to a drafter on this host that takes features (0: none)."""
         self.address, self.timeout_s, self.max_backoff_s = address, timeout_s, max_backoff_s
+        self.region_bytes = region_bytes
+        self.region: FeatureRegion | None = None  # shared with the drafter on this stream, while up
         self.channel = grpc.aio.insecure_channel(address, options=client_options(max_backoff_s))
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
         self.call = None  # the Draft stream while up
@@ -144,6 +156,8 @@ class DrafterLink:
             self.feature_layer_ids = tuple(info.feature_layer_ids)
             self.lookup_trees = info.lookup_trees
             self.call = await self._open_stream(info.draft_socket)
+            if isinstance(self.call, FramedCall) and self.feature_layer_ids:
+                self.region = await self._share_region(self.call)
             self.sent.clear()
             self.rows_sent.clear()
             self.backoff_s = 0.1
@@ -151,6 +165,8 @@ class DrafterLink:
                      " (Draft stream as frames on its Unix socket)" if isinstance(self.call, FramedCall) else "")
         except grpc.aio.AioRpcError as error:
             self._down(f"connect failed: {error.code().name}")
+        except STREAM_FAILURES as error:  # the draft socket, while a feature region was offered
+            self._down(f"connect failed: {describe(error)}")
         return self.up
 
     async def _open_stream(self, draft_socket: str):
@@ -163,6 +179,25 @@ class DrafterLink:
                 log.warning("drafter %s: its draft socket %s: %s; drafting over gRPC", self.address, draft_socket,
                             error)
         return self.stub.Draft()
+
+    async def _share_region(self, call: FramedCall) -> FeatureRegion | None:
+        """A feature region the drafter has mapped, or None (features then travel in the messages)."""
+        region = FeatureRegion.create(self.region_bytes)
+        if region is None:
+            return None
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                why_not = await call.share_region(region.path)
+        except BaseException:
+            region.close()
+            raise
+        region.unlink()  # both ends have it mapped: nothing is left behind, however either ends
+        if why_not:
+            log.warning("drafter %s: no feature region (%s); features travel in the messages", self.address,
+                        why_not)
+            region.close()
+            return None
+        return region
 
     def forget(self, request_id: str) -> None:
         self.rows_sent.pop(request_id, None)
@@ -246,14 +281,22 @@ class DrafterLink:
         second piece, and so on (as many messages for each as the bytes need): a request's pieces arrive in order,
         never two in one message."""
         waves: list[list[ContextPiece]] = []
+        if self.region is not None:
+            self.region.clear()  # the drafter has answered every message before this round's
         for request_id, generation in requests.items():
             sent, features = self.sent.get(request_id, 0), None
             if self.feature_layer_ids and not lookup_only:
-                features = generation.features.since(self.rows_sent.get(request_id, 0))
+                rows = generation.features.rows_since(self.rows_sent.get(request_id, 0))
                 self.rows_sent[request_id] = generation.committed_count - 1  # every token but the root
-            row_bytes = features[:1].numel() * features.element_size() if features is not None else 0
-            pieces = split_context(request_id, generation.committed_since(sent), features,
-                                   MESSAGE_FEATURE_BYTES // max(row_bytes, 1))
+                features = self.region.place(rows) if self.region is not None else None
+                if features is None:
+                    features = rows[0] if len(rows) == 1 else torch.cat(rows)
+            tokens = generation.committed_since(sent)
+            if isinstance(features, PlacedRows):
+                pieces = [ContextPiece(request_id, tokens, features)]
+            else:
+                row_bytes = features[:1].numel() * features.element_size() if features is not None else 0
+                pieces = split_context(request_id, tokens, features, MESSAGE_FEATURE_BYTES // max(row_bytes, 1))
             pieces[-1].budget = min(budgets.get(request_id, generation.budget), self.max_budget)
             for wave, piece in enumerate(pieces):
                 if wave == len(waves):
@@ -287,6 +330,7 @@ class DrafterLink:
         if self.call is not None:
             self.call.cancel()
         self.call = None
+        self._close_region()
         self.sent.clear()
         self.rows_sent.clear()
         self.to_drop.clear()  # a new stream starts with no contexts: nothing to drop there
@@ -299,7 +343,14 @@ class DrafterLink:
         self._down("disabled")
         self.retry_at = float("inf")
 
+    def _close_region(self) -> None:
+        """A stream's region dies with it: a new stream gets a new one, which no reader of the old can see."""
+        if self.region is not None:
+            self.region.close()
+            self.region = None
+
     async def close(self) -> None:
         if self.call is not None:
             self.call.cancel()
+        self._close_region()
         await self.channel.close()

@@ -172,8 +172,9 @@ class TargetFeatures:
             contiguous = kept[-1] == len(kept) - 1  # ascending rows: only a prefix ends at its own length - 1
             self.last = features[:len(kept)] if contiguous else features.select(kept)
 
-    def since(self, start: int) -> torch.Tensor:
-        """Kept rows from row `start` on (row i: the i-th token of the prompt and output)."""
+    def rows_since(self, start: int) -> list[torch.Tensor]:
+        """Kept rows from row `start` on (row i: the i-th token of the prompt and output), as views of the chunks
+        that hold them, oldest first: one empty tensor where there are none."""
         chunks, end = [], sum(len(chunk) for chunk in self.chunks)
         for chunk in reversed(self.chunks):  # usually only the newest chunk or two are needed
             if end <= start:
@@ -182,8 +183,8 @@ class TargetFeatures:
             end -= len(chunk)
         if not chunks:
             width = self.chunks[0].shape[1] if self.chunks else 0
-            return torch.empty(0, width)
-        return torch.cat(chunks[::-1])
+            return [torch.empty(0, width)]
+        return chunks[::-1]
 
 
 class FeatureBacklog:

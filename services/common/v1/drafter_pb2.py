@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atreeserve/v1/drafter.proto\x12\x0ctreeserve.v1\"6\n\x08\x46\x65\x61tures\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x8e\x02\n\tDraftItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x0e\n\x06\x62udget\x18\x03 \x01(\r\x12(\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x16.treeserve.v1.Features\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12@\n\rtrace_context\x18\x06 \x03(\x0b\x32).treeserve.v1.DraftItem.TraceContextEntry\x12\x13\n\x0blookup_only\x18\x07 \x01(\x08\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"E\n\x0c\x44raftRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12&\n\x05items\x18\x02 \x03(\x0b\x32\x17.treeserve.v1.DraftItem\"l\n\tDraftTree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x11\n\tlog_probs\x18\x04 \x03(\x02\x12\x14\n\x0clookup_nodes\x18\x05 \x01(\r\"_\n\rDraftResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12&\n\x05trees\x18\x02 \x03(\x0b\x32\x17.treeserve.v1.DraftTree\x12\x17\n\x0fpropose_seconds\x18\x03 \x01(\x01\"\x1e\n\x1c\x44rafterServiceGetInfoRequest\"\x88\x01\n\x1d\x44rafterServiceGetInfoResponse\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nmax_budget\x18\x02 \x01(\r\x12\x19\n\x11\x66\x65\x61ture_layer_ids\x18\x03 \x03(\r\x12\x14\n\x0c\x64raft_socket\x18\x04 \x01(\t\x12\x14\n\x0clookup_trees\x18\x05 \x01(\x08\x32\xba\x01\n\x0e\x44rafterService\x12\x44\n\x05\x44raft\x12\x1a.treeserve.v1.DraftRequest\x1a\x1b.treeserve.v1.DraftResponse(\x01\x30\x01\x12\x62\n\x07GetInfo\x12*.treeserve.v1.DrafterServiceGetInfoRequest\x1a+.treeserve.v1.DrafterServiceGetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atreeserve/v1/drafter.proto\x12\x0ctreeserve.v1\"d\n\x08\x46\x65\x61tures\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x1a\n\rregion_offset\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_region_offset\"\x8e\x02\n\tDraftItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12\x0e\n\x06\x62udget\x18\x03 \x01(\r\x12(\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x16.treeserve.v1.Features\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12@\n\rtrace_context\x18\x06 \x03(\x0b\x32).treeserve.v1.DraftItem.TraceContextEntry\x12\x13\n\x0blookup_only\x18\x07 \x01(\x08\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"E\n\x0c\x44raftRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12&\n\x05items\x18\x02 \x03(\x0b\x32\x17.treeserve.v1.DraftItem\"l\n\tDraftTree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x11\n\tlog_probs\x18\x04 \x03(\x02\x12\x14\n\x0clookup_nodes\x18\x05 \x01(\r\"_\n\rDraftResponse\x12\r\n\x05round\x18\x01 \x01(\x04\x12&\n\x05trees\x18\x02 \x03(\x0b\x32\x17.treeserve.v1.DraftTree\x12\x17\n\x0fpropose_seconds\x18\x03 \x01(\x01\"\x1e\n\x1c\x44rafterServiceGetInfoRequest\"\x88\x01\n\x1d\x44rafterServiceGetInfoResponse\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nmax_budget\x18\x02 \x01(\r\x12\x19\n\x11\x66\x65\x61ture_layer_ids\x18\x03 \x03(\r\x12\x14\n\x0c\x64raft_socket\x18\x04 \x01(\t\x12\x14\n\x0clookup_trees\x18\x05 \x01(\x08\x32\xba\x01\n\x0e\x44rafterService\x12\x44\n\x05\x44raft\x12\x1a.treeserve.v1.DraftRequest\x1a\x1b.treeserve.v1.DraftResponse(\x01\x30\x01\x12\x62\n\x07GetInfo\x12*.treeserve.v1.DrafterServiceGetInfoRequest\x1a+.treeserve.v1.DrafterServiceGetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTITEM_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_DRAFTITEM_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_FEATURES']._serialized_start=44
-  _globals['_FEATURES']._serialized_end=98
-  _globals['_DRAFTITEM']._serialized_start=101
-  _globals['_DRAFTITEM']._serialized_end=371
-  _globals['_DRAFTITEM_TRACECONTEXTENTRY']._serialized_start=320
-  _globals['_DRAFTITEM_TRACECONTEXTENTRY']._serialized_end=371
-  _globals['_DRAFTREQUEST']._serialized_start=373
-  _globals['_DRAFTREQUEST']._serialized_end=442
-  _globals['_DRAFTTREE']._serialized_start=444
-  _globals['_DRAFTTREE']._serialized_end=552
-  _globals['_DRAFTRESPONSE']._serialized_start=554
-  _globals['_DRAFTRESPONSE']._serialized_end=649
-  _globals['_DRAFTERSERVICEGETINFOREQUEST']._serialized_start=651
-  _globals['_DRAFTERSERVICEGETINFOREQUEST']._serialized_end=681
-  _globals['_DRAFTERSERVICEGETINFORESPONSE']._serialized_start=684
-  _globals['_DRAFTERSERVICEGETINFORESPONSE']._serialized_end=820
-  _globals['_DRAFTERSERVICE']._serialized_start=823
-  _globals['_DRAFTERSERVICE']._serialized_end=1009
+  _globals['_FEATURES']._serialized_end=144
+  _globals['_DRAFTITEM']._serialized_start=147
+  _globals['_DRAFTITEM']._serialized_end=417
+  _globals['_DRAFTITEM_TRACECONTEXTENTRY']._serialized_start=366
+  _globals['_DRAFTITEM_TRACECONTEXTENTRY']._serialized_end=417
+  _globals['_DRAFTREQUEST']._serialized_start=419
+  _globals['_DRAFTREQUEST']._serialized_end=488
+  _globals['_DRAFTTREE']._serialized_start=490
+  _globals['_DRAFTTREE']._serialized_end=598
+  _globals['_DRAFTRESPONSE']._serialized_start=600
+  _globals['_DRAFTRESPONSE']._serialized_end=695
+  _globals['_DRAFTERSERVICEGETINFOREQUEST']._serialized_start=697
+  _globals['_DRAFTERSERVICEGETINFOREQUEST']._serialized_end=727
+  _globals['_DRAFTERSERVICEGETINFORESPONSE']._serialized_start=730
+  _globals['_DRAFTERSERVICEGETINFORESPONSE']._serialized_end=866
+  _globals['_DRAFTERSERVICE']._serialized_start=869
+  _globals['_DRAFTERSERVICE']._serialized_end=1055
 # @@protoc_insertion_point(module_scope)

@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Features(_message.Message):
-    __slots__ = ("data", "shape", "dtype")
+    __slots__ = ("data", "shape", "dtype", "region_offset")
     DATA_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    REGION_OFFSET_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
-    def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+    region_offset: int
+    def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., region_offset: _Optional[int] = ...) -> None: ...
 
 class DraftItem(_message.Message):
     __slots__ = ("request_id", "new_token_ids", "budget", "features", "finished", "trace_context", "lookup_only")

@@ -1,0 +1,139 @@
+"""Target feature rows through shared memory, for a Draft stream between two processes on one host.
+
+A DFlash drafter conditions on the target's hidden states, a few KB a token: megabytes in a round that catches
+many requests' contexts up. Inside a protobuf message those bytes are copied about ten times on their way from
+the verifier to the drafter (into the message, serialised, framed, through the socket, buffered, parsed,
+decoded); through a region that both processes map they are copied once each way.
+
+The verifier makes a region for each framed Draft stream (a file on the host's shared-memory filesystem,
+unlinked once the drafter has mapped it) and offers it in a REGION frame (`treeserve.framing`). Each round it
+writes its items' rows there from the start, and an item's Features says where they lie (`region_offset`)
+instead of carrying them. The drafter copies the rows out as it reads the message, and answers every message of
+a round before the verifier's next round writes the region again. Rows that do not fit travel in the message.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+from treeserve.errors import TreeserveError
+
+if TYPE_CHECKING:
+    import torch
+
+SHARED_MEMORY_DIR = Path("/dev/shm")
+FILE_PREFIX = "treeserve-features-"
+ALIGNMENT = 64  # each item's rows start at a multiple of this, so that any dtype can view them
+# A verifier's region for one drafter: sparse until written, so only the largest round's rows take memory. Rows of a
+# round beyond it (a batch of long prompts' catch-ups) travel in the messages.
+DEFAULT_REGION_BYTES = 256 << 20
+
+
+class PlacedRows(NamedTuple):
+    """Feature rows written to a feature region: where they start, their shape and dtype."""
+
+    offset: int
+    shape: tuple[int, int]
+    dtype: torch.dtype
+
+
+class FeatureRegion:
+    """The verifier's end: rows written at offsets from the start of the round (`clear`), one item after another."""
+
+    def __init__(self, size: int):
+        import torch  # here, not at the top: a drafter without features runs without torch
+
+        fd, self.path = tempfile.mkstemp(prefix=FILE_PREFIX, dir=SHARED_MEMORY_DIR)
+        try:
+            os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size)
+        except OSError:
+            os.close(fd)
+            self.unlink()
+            raise
+        os.close(fd)
+        self.size, self.used = size, 0
+        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, size: int) -> "FeatureRegion | None":
+        """A region of `size` bytes, or None where this host has no shared-memory filesystem (or no room there)."""
+        if size <= 0 or not SHARED_MEMORY_DIR.is_dir():
+            return None
+        try:
+            return cls(size)
+        except OSError:
+            return None
+
+    def clear(self) -> None:
+        """A new round: every earlier row has been read."""
+        self.used = 0
+
+    def place(self, parts: list[torch.Tensor]) -> PlacedRows | None:
+        """Writes these rows (one part after another, all of one dtype and width) at the next free offset; None,
+        writing nothing, where they do not fit."""
+        rows = sum(len(part) for part in parts)
+        width, dtype = parts[0].shape[1], parts[0].dtype
+        start = -(-self.used // ALIGNMENT) * ALIGNMENT
+        end = start + rows * width * dtype.itemsize
+        if end > self.size:
+            return None
+        into = self.bytes[start:end].view(dtype).view(rows, width)
+        if len(parts) == 1:
+            into.copy_(parts[0])
+        else:
+            import torch
+
+            torch.cat(parts, out=into)
+        self.used = end
+        return PlacedRows(start, (rows, width), dtype)
+
+    def unlink(self) -> None:
+        """Remove the file (the mappings stay): once the drafter has mapped it, or has refused it."""
+        Path(self.path).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.unlink()
+        del self.bytes
+        self.map.close()
+
+
+class MappedRegion:
+    """The drafter's end: a region a verifier offered, mapped, from which a message's rows are copied out."""
+
+    def __init__(self, path: str):
+        """Raises TreeserveError where `path` is not a region file this host's verifier could have made, or cannot be
+        mapped."""
+        where = Path(path)
+        if where.parent != SHARED_MEMORY_DIR or not where.name.startswith(FILE_PREFIX):
+            raise TreeserveError(f"a feature region must be a {FILE_PREFIX}* file in {SHARED_MEMORY_DIR}, not {path}")
+        try:
+            fd = os.open(where, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as error:
+            raise TreeserveError(f"cannot open the feature region {path}: {error.strerror}") from None
+        try:
+            self.size = os.fstat(fd).st_size
+            self.map = mmap.mmap(fd, self.size)
+        except (OSError, ValueError) as error:
+            raise TreeserveError(f"cannot map the feature region {path}: {error}") from None
+        finally:
+            os.close(fd)
+        import torch
+
+        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def rows(self, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """A copy of the rows at `offset` (the verifier writes the region again next round)."""
+        end = offset + shape[0] * shape[1] * dtype.itemsize
+        if offset % ALIGNMENT or end > self.size:
+            raise TreeserveError(f"features at bytes {offset}..{end} of a feature region of {self.size} bytes "
+                                 f"(offsets are multiples of {ALIGNMENT})")
+        return self.bytes[offset:end].view(dtype).view(shape).clone()
+
+    def close(self) -> None:
+        del self.bytes
+        self.map.close()
