@@ -408,19 +408,29 @@ def test_batch_sizes_in_one_graph_bucket_share_their_costs():
     assert budget(adaptive, {i: 16 for i in ids}, batch=50) == 0
 
 
-def test_a_plain_decision_is_reused_for_a_few_rounds_of_the_same_batch():
+def test_a_plain_decision_is_reused_for_a_few_rounds_of_the_same_batch_bucket():
     """Plain rounds observe no acceptance, so a plain choice stands for REUSE_PLAIN more rounds of the same batch
-    (cheaper rounds); then, or at once for another batch, it is worked out again."""
+    bucket and speculating requests (cheaper rounds, though a request joins or leaves); then, or at once for
+    another batch bucket or other speculating requests, it is worked out again."""
     adaptive = AdaptiveSpeculation()
     ids = [f"r{i}" for i in range(4)]
     costs(adaptive, 4, {1: 2.0, 17: 2.5}, draft_ms=10.0)
+    costs(adaptive, 8, {1: 2.0, 17: 2.5}, draft_ms=0.0, samples=RecentCost.WINDOW)
     accept(adaptive, ids, 16, 1)  # trees accept nothing: plain
     asked = {i: 16 for i in ids}
     assert budget(adaptive, asked, batch=4) == 0
     costs(adaptive, 4, {1: 2.0, 17: 2.5}, draft_ms=0.0, samples=RecentCost.WINDOW)  # drafts free now...
     accept(adaptive, ids, 16, 6)  # ...and trees accept a lot
-    assert budget(adaptive, {i: 16 for i in ids[:3]}, batch=4) > 0  # another batch: worked out at once
+    assert budget(adaptive, asked, batch=3) == 0  # a request left, one that decodes plainly: the same bucket
+    assert budget(adaptive, {i: 16 for i in ids[:3]}, batch=4) > 0  # other speculating requests: worked out at once
     assert budget(adaptive, asked, batch=4) > 0
+    adaptive = AdaptiveSpeculation()
+    costs(adaptive, 4, {1: 2.0, 17: 2.5}, draft_ms=10.0)
+    costs(adaptive, 8, {1: 2.0, 17: 2.5}, draft_ms=0.0, samples=RecentCost.WINDOW)
+    accept(adaptive, ids, 16, 1)
+    assert budget(adaptive, asked, batch=4) == 0
+    accept(adaptive, ids, 16, 6)
+    assert budget(adaptive, asked, batch=5) > 0  # another batch bucket, where drafts are free: worked out at once
     adaptive = AdaptiveSpeculation()
     costs(adaptive, 4, {1: 2.0, 17: 2.5}, draft_ms=10.0)
     accept(adaptive, ids, 16, 1)

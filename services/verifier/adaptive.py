@@ -437,9 +437,10 @@ class AdaptiveSpeculation:
     """The choice of each round's budget, a `treeserve.verifier.round.Speculation`. min_budget..max_budget: the
     bounds of the round budget (min_budget 0 allows plain decoding)."""
 
-    # A plain decision stands for up to this many more rounds of the same batch: plain rounds observe no
-    # acceptance, so the choice's inputs move only as the evidence ages (PLAIN_AGING), and working it out is a
-    # visible part of a small target's round.
+    # A plain decision stands for up to this many more rounds of the same batch bucket (whose costs price it) and
+    # speculating requests: plain rounds observe no acceptance, so the choice's inputs move only as the evidence ages
+    # (PLAIN_AGING), and working it out is a visible part of a small target's round. Not the same batch: at a large
+    # one, a request finishes or joins most rounds.
     REUSE_PLAIN = 8
     # A tree must promise this much more than plain decoding to be chosen (and for drafting to count as paying):
     # the choice takes the best of noisy estimates, so the chosen tree's is the likeliest to read high, and a round
@@ -467,7 +468,7 @@ class AdaptiveSpeculation:
         self.exploration = Exploration(explore_every)
         self.give_up = GiveUp(give_up_after_s)
         self.tried: set[str] = set()  # requests that were given a tree budget (a tree may have come back empty)
-        # (batch, speculating requests, largest budget, lookup offered) of a plain choice
+        # (batch bucket, speculating requests, largest budget, lookup offered) of a plain choice
         self.plain_signature: tuple | None = None
         self.plain_round_s = 0.0  # the estimated plain round of that choice
         self.reused = 0
@@ -544,7 +545,7 @@ class AdaptiveSpeculation:
 
     def _choose(self, asked: dict[str, int], batch: int, first_try: bool = False, lookup: bool = False) -> Choice:
         most = min(self.max_budget, max(asked.values()))
-        signature = (batch, len(asked), most, lookup)
+        signature = (batch_bucket(batch), len(asked), most, lookup)
         if (signature == self.plain_signature and self.reused < self.REUSE_PLAIN and not first_try
                 and not self.exploration.due(1, self.plain_round_s)):
             self.reused += 1  # (never in place of a try)
