@@ -85,3 +85,39 @@ def test_continuations_follow_the_longest_then_most_recent_occurrences():
         got = drafter.continuations(context, length)
         assert got == [context[start:start + length] for start in starts], (context, drafter.__dict__)
         assert drafter.continuations(context, length, limit=1) == got[:1]  # the merged drafter's lookup
+
+
+def trie_of(continuations: list[list[int]], root: int, budget: int) -> tuple[list[int], list[int]]:
+    """The specification, plainly: each continuation in rank order walks down from the root, a node per token it
+    does not find among the children of where it is, until `budget` nodes are drafted."""
+    tokens, parents = [root], [-1]
+    for continuation in continuations:
+        node = 0
+        for token in continuation:
+            found = [child for child in range(1, len(tokens)) if parents[child] == node and tokens[child] == token]
+            if found:
+                node = found[0]
+                continue
+            if len(tokens) > budget:
+                return tokens, parents
+            tokens.append(token)
+            parents.append(node)
+            node = len(tokens) - 1
+    return tokens, parents
+
+
+def test_trees_merge_the_ranked_continuations_as_a_trie_on_random_and_repetitive_contexts():
+    import random
+
+    rng = random.Random(2)
+    drafter = NgramDrafter()
+    for _ in range(400):
+        if rng.random() < 0.5:
+            context = [rng.randrange(rng.randint(1, 10)) for _ in range(rng.randint(1, 150))]
+        else:  # a phrase repeated, now and then broken: whole continuations repeat
+            phrase = [rng.randrange(50) for _ in range(rng.randint(1, 30))]
+            context = [phrase[i % len(phrase)] if rng.random() > 0.05 else rng.randrange(50)
+                       for i in range(rng.randint(1, 200))]
+        budget = rng.randint(1, 64)
+        tree = drafter.tree(context, budget)
+        assert (tree.tokens, tree.parents) == trie_of(drafter.continuations(context, budget), context[-1], budget)

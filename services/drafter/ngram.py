@@ -45,18 +45,24 @@ class NgramDrafter(TokenDrafter):
 
     def tree(self, context: TokenContext | list[int], budget: int) -> DraftTree:
         """The tree for one context (or list of tokens): continuations merged into a trie of at most `budget`
-        drafted nodes."""
+        drafted nodes, the better-ranked continuations' nodes first."""
         tokens = context.tokens if isinstance(context, TokenContext) else context
         tree_tokens, parents = [tokens[-1]], [-1]
-        node_of: dict[tuple[int, int], int] = {}  # (parent node, token) -> node: shared prefixes merge
+        children: list[dict[int, int]] = [{}]  # node -> its children by token: shared prefixes merge
+        merged: set[tuple[int, ...]] = set()
         for continuation in self.continuations(context, budget):
+            path = tuple(continuation)
+            if path in merged:  # repetitive text repeats whole continuations: they add no node
+                continue
+            merged.add(path)
             node = 0
             for token in continuation:
-                child = node_of.get((node, token))
+                child = children[node].get(token)
                 if child is None:
                     if len(tree_tokens) > budget:
                         return DraftTree(tree_tokens, parents)
-                    child = node_of[(node, token)] = len(tree_tokens)
+                    child = children[node][token] = len(tree_tokens)
+                    children.append({})
                     tree_tokens.append(token)
                     parents.append(node)
                 node = child
