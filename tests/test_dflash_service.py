@@ -486,3 +486,24 @@ def test_a_feature_region_that_cannot_be_mapped_is_declined_and_rows_out_of_it_a
     assert accepted == "" and trees_in_region == 1
     assert "round 3" in beyond and "of a feature region of 4096 bytes" in beyond
     assert over_grpc.code() == grpc.StatusCode.INVALID_ARGUMENT and "this stream has none" in over_grpc.details()
+
+
+def test_a_feature_region_takes_what_room_dev_shm_has(monkeypatch):
+    """Its pages are reserved as it is made (a write past what /dev/shm holds would kill the process): where there
+    is no room for the size asked, half of it, and so on down to the smallest worth having; else none."""
+    room = {"bytes": 20 << 20}
+    reserve = feature_region.os.posix_fallocate
+
+    def limited(fd, offset, length):
+        if length > room["bytes"]:
+            raise OSError(28, "No space left on device")
+        reserve(fd, offset, length)
+
+    monkeypatch.setattr(feature_region.os, "posix_fallocate", limited)
+    files = set(feature_region.SHARED_MEMORY_DIR.glob(f"{feature_region.FILE_PREFIX}*"))
+    region = feature_region.FeatureRegion.create(64 << 20)
+    assert region.size == 16 << 20 and Path(region.path).stat().st_size == 16 << 20
+    region.close()
+    room["bytes"] = feature_region.SMALLEST_REGION_BYTES - 1
+    assert feature_region.FeatureRegion.create(64 << 20) is None
+    assert set(feature_region.SHARED_MEMORY_DIR.glob(f"{feature_region.FILE_PREFIX}*")) <= files  # none left behind

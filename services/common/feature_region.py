@@ -28,9 +28,10 @@ if TYPE_CHECKING:
 SHARED_MEMORY_DIR = Path("/dev/shm")
 FILE_PREFIX = "treeserve-features-"
 ALIGNMENT = 64  # each item's rows start at a multiple of this, so that any dtype can view them
-# A verifier's region for one drafter: sparse until written, so only the largest round's rows take memory. Rows of a
-# round beyond it (a batch of long prompts' catch-ups) travel in the messages.
-DEFAULT_REGION_BYTES = 256 << 20
+# A verifier's region for one drafter, its memory taken up front: a steady round at 64 requests writes about 1 MB,
+# a catch-up of many requests tens of MB. Rows of a round beyond it travel in the messages.
+DEFAULT_REGION_BYTES = 64 << 20
+SMALLEST_REGION_BYTES = 1 << 20  # where /dev/shm has less room than the size asked, halved down to this at most
 
 
 class PlacedRows(NamedTuple):
@@ -45,11 +46,13 @@ class FeatureRegion:
     """The verifier's end: rows written at offsets from the start of the round (`clear`), one item after another."""
 
     def __init__(self, size: int):
+        """Raises OSError where /dev/shm has no room for `size` bytes. Its pages are reserved here: a write to a
+        sparse file past what /dev/shm can hold would kill the process (SIGBUS) instead of failing."""
         import torch  # here, not at the top: a drafter without features runs without torch
 
         fd, self.path = tempfile.mkstemp(prefix=FILE_PREFIX, dir=SHARED_MEMORY_DIR)
         try:
-            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
             self.map = mmap.mmap(fd, size)
         except OSError:
             os.close(fd)
@@ -61,13 +64,17 @@ class FeatureRegion:
 
     @classmethod
     def create(cls, size: int) -> "FeatureRegion | None":
-        """A region of `size` bytes, or None where this host has no shared-memory filesystem (or no room there)."""
+        """A region of `size` bytes, or half that where /dev/shm has no room for it (a container's is often 64 MB),
+        and so on down to SMALLEST_REGION_BYTES; None below that, or where this host has no /dev/shm."""
         if size <= 0 or not SHARED_MEMORY_DIR.is_dir():
             return None
-        try:
-            return cls(size)
-        except OSError:
-            return None
+        while True:
+            try:
+                return cls(size)
+            except OSError:
+                if size // 2 < SMALLEST_REGION_BYTES:
+                    return None
+                size //= 2
 
     def clear(self) -> None:
         """A new round: every earlier row has been read."""
