@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from treeserve.errors import TreeserveError
+from treeserve.feature_region import PlacedRows
 from treeserve.params import GenerationParams
 from treeserve.v1 import drafter_pb2, generation_pb2
 
@@ -42,8 +43,6 @@ def features_to_proto(features, into: drafter_pb2.Features | None = None) -> dra
     rows written to the stream's feature region (a treeserve.feature_region.PlacedRows) where they lie; filled into
     a message's field (`into`) where given, so that the bytes are not copied once more into it."""
     import torch  # here, not at the top: the gateway and clients use this module without torch
-
-    from treeserve.feature_region import PlacedRows
 
     name = str(features.dtype).removeprefix("torch.")
     if name not in FEATURE_DTYPES:
