@@ -93,9 +93,12 @@ class Services:
         return self.drafter
 
     def start_verifier(self, *extra: str) -> str:
+        """The verifier, drafting every request's trees (fixed speculation) unless `extra` says otherwise: what
+        these tests check of trees and drafters must not wait on the adaptive policy choosing to draft."""
+        speculation = [] if "--speculation" in extra else ["--speculation", "fixed"]
         self.verifier = self.stack.start("verifier", [
             "--target", self.target_path, "--drafter", self.drafter, "--default-budget", "8",
-            "--draft-timeout-s", "1", "--metrics-listen", f"127.0.0.1:{self.verifier_metrics}", *extra])
+            "--draft-timeout-s", "1", "--metrics-listen", f"127.0.0.1:{self.verifier_metrics}", *speculation, *extra])
         return self.verifier
 
     def start_gateway(self, verifier: str, *extra: str) -> str:

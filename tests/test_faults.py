@@ -67,7 +67,7 @@ def test_drafter_killed_under_up_mid_stream(tmp_path, model_path, target):
     gateway's socket and health never falter, `up` restarts the drafter and requests are drafted again."""
     runtime = tmp_path / "run"
     drafter_metrics = free_port()
-    up, address = start_up(model_path, "--drafter", "ngram", "--runtime-dir", str(runtime),
+    up, address = start_up(model_path, "--drafter", "ngram", "--speculation", "fixed", "--runtime-dir", str(runtime),
                            "--drafter-metrics-listen", f"127.0.0.1:{drafter_metrics}")
     prompt = PROMPTS[0]
     watch = HealthWatch(address)

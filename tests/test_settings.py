@@ -58,9 +58,10 @@ def test_flags_win_over_the_environment_which_wins_over_defaults(monkeypatch):
     assert VerifierSettings().drafter == [] and VerifierSettings.parse([]).speculation == "auto"
 
 
-def test_auto_speculation_is_adaptive_on_a_gpu_and_fixed_on_the_cpu():
+def test_auto_speculation_is_adaptive_on_a_gpu_and_on_the_cpu():
     assert VerifierSettings.parse(["--device", "cuda"]).adaptive
-    assert not VerifierSettings.parse(["--device", "cpu"]).adaptive
+    assert VerifierSettings.parse(["--device", "cpu"]).adaptive
+    assert not VerifierSettings.parse(["--speculation", "fixed"]).adaptive
     assert not VerifierSettings.parse(["--device", "cuda", "--speculation", "fixed"]).adaptive
     assert VerifierSettings.parse(["--speculation", "adaptive"]).adaptive
 

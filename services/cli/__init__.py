@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "--device cuda), on, off (for debugging)")
     up.add_argument("--speculation", choices=SPECULATION, default="auto",
                     help="the verifier's: fixed (every request drafts its budget), adaptive (each round's budget "
-                         "chosen for tokens per second, 0 = plain decoding) or auto (the default: adaptive with "
-                         "--device cuda, fixed on the CPU)")
+                         "chosen for tokens per second, 0 = plain decoding) or auto (the default: the one measured to "
+                         "pay on every device, adaptive)")
     up.add_argument("--verifier-metrics", metavar="HOST:PORT",
                     help="serve the verifier's Prometheus metrics here (what treeserve bench reads round times from)")
     up.add_argument("--http", metavar="HOST:PORT",

@@ -213,8 +213,8 @@ class VerifierSettings(Settings):
                                       "is for debugging", choices=GRAPHS)
     speculation: str = option("auto", "fixed: every request drafts its own budget each round; adaptive: each "
                                       "round's budget (0 = plain decoding) is chosen for tokens per second from "
-                                      "measured verification costs and each request's acceptance; auto: adaptive "
-                                      "with --device cuda, fixed on the CPU", choices=SPECULATION)
+                                      "measured verification costs and each request's acceptance; auto: the one "
+                                      "measured to pay on every device, adaptive", choices=SPECULATION)
     adaptive_min_budget: int = option(0, "adaptive: the smallest round budget (0: plain decoding allowed)", minimum=0)
     adaptive_max_budget: int = option(MAX_BUDGET, "adaptive: the largest round budget (a request's own budget caps "
                                                   "it too)", minimum=0)
@@ -238,9 +238,9 @@ class VerifierSettings(Settings):
 
     @property
     def adaptive(self) -> bool:
-        """Whether rounds choose their budget. On a GPU, fixed trees lose to plain decoding in most serving cells
-        (docs/benchmarks.md); on the CPU, fixed trees are what was measured to pay."""
-        return self.speculation == "adaptive" or (self.speculation == "auto" and self.device == "cuda")
+        """Whether rounds choose their budget. Fixed trees lose to plain decoding in most serving cells on a GPU,
+        and on the CPU from 16 requests up on chat, where adaptive speculation does not (docs/benchmarks.md)."""
+        return self.speculation in ("auto", "adaptive")
 
 
 @dataclasses.dataclass(frozen=True)
