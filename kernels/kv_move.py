@@ -24,7 +24,9 @@ def padded_moves(moves: int) -> int:
     return max(PADDED_MOVES[0], triton.next_power_of_2(moves))
 
 
-@triton.jit(do_not_specialize=["moves"])  # (1, or a multiple of 16, would each compile apart)
+# `moves` (1, or a multiple of 16) and the slot pointers' alignment would each compile apart: the pool stages a
+# move's targets right after its sources, so an odd count leaves them off 16 bytes.
+@triton.jit(do_not_specialize=["moves"], do_not_specialize_on_alignment=["sources_ptr", "targets_ptr"])
 def _kv_move_kernel(cache_ptr, sources_ptr, targets_ptr, moves, slab_stride, ROW_SIZE: tl.constexpr,
                     MOVES: tl.constexpr, BLOCK: tl.constexpr):
     slab = tl.program_id(0).to(tl.int64)

@@ -202,3 +202,27 @@ def test_dflash_trees_from_graphs_equal_the_pytorch_search(dtype, tree):
         top = log_probs[:len(contexts), 1:].topk(min(width, drafter.top_k), dim=-1)
         want, _ = ddtree_select(top.values, top.indices, torch.tensor(budgets, device="cuda"), width)
         assert torch.equal(packed, want), width
+
+
+def test_kv_moves_of_any_count_compile_nothing_after_warm_up():
+    """The pool stages a move's targets right after its sources, so an odd count leaves the targets off 16 bytes:
+    after `warm_up_moves`, moves of every such count reuse the kernels it compiled (a compilation while serving
+    stops every request), and move what the reference moves."""
+    from treeserve.kernels import kv_move as kv_move_module
+    from treeserve.kernels.references import kv_move_reference
+
+    cfg = random_target("qwen3", seed=1, vocab_size=VOCAB).config
+    cache = PagedKVCache(cfg, num_blocks=64, block_size=16, dtype=torch.bfloat16, device="cuda")
+    cache.data.copy_(torch.randn(cache.data.shape))
+    cache.warm_up_moves()
+    compiled = sum(len(caches[0]) for caches in kv_move_module._kv_move_kernel.device_caches.values())
+    assert compiled >= len(kv_move_module.PADDED_MOVES)
+    rng = random.Random(2)
+    for count in (1, 3, 5, 17, 33, 101, 515):
+        slots = rng.sample(range(64 * 16), 2 * count)
+        want = cache.slabs.cpu()
+        kv_move_reference(want, torch.tensor(slots[:count]), torch.tensor(slots[count:]))
+        cache.move(slots[:count], slots[count:])
+        assert torch.equal(cache.slabs.cpu(), want), count
+    after = sum(len(caches[0]) for caches in kv_move_module._kv_move_kernel.device_caches.values())
+    assert after == compiled, f"{after - compiled} kernels compiled after warm-up"
