@@ -543,6 +543,12 @@ def test_acceptance_bench_reports_every_configuration_lossless(tmp_path, capsys)
         ("dflash ddtree", 8), ("merged", 2), ("merged", 8)]
     assert all(r["identical_to_plain"] == 2 and r["mean_accepted"] >= 1.0 for r in rows)
     assert "| dflash ddtree | 8 |" in capsys.readouterr().out
+    # Without --drafter-path a DFlash drafter is the target's shipped one; this target has none: a clear error,
+    # not a table without its rows.
+    common = ["--target", str(target_path), "--prompts", str(prompts), "--budgets", "2", "--max-new-tokens", "4"]
+    assert main(common + ["--drafters", "ngram,ddtree"]) == 1
+    assert "no DFlash drafter ships for target" in capsys.readouterr().err
+    assert main(common + ["--drafters", "ngram"]) == 0
 
 
 # ---------------------------------------------------------------------------------- the draft-model drafter

@@ -1,11 +1,11 @@
 """python -m treeserve.bench.acceptance_bench: mean accepted length of drafters side by side, greedy.
 
 Loads the target once and generates every prompt of a JSONL file ({"prompt": ..., "chat": bool} per line) with
-plain decoding, the n-gram drafter, and a DFlash checkpoint as chain, as DDTree and merged with prompt lookup at
-each budget (--drafters picks among them). Reports per configuration the tokens per round (bonus included: 1.0
-is plain decoding) over all prompts, and how many outputs equal plain decoding token for token. On a GPU the
-verifier and the DFlash drafter replay CUDA graphs, as `treeserve generate` does. Writes JSON with --out and
-prints a Markdown table.
+plain decoding, the n-gram drafter, and a DFlash checkpoint (--drafter-path, default the one shipped for the
+target) as chain, as DDTree and merged with prompt lookup at each budget (--drafters picks among them). Reports
+per configuration the tokens per round (bonus included: 1.0 is plain decoding) over all prompts, and how many
+outputs equal plain decoding token for token. On a GPU the verifier and the DFlash drafter replay CUDA graphs, as
+`treeserve generate` does. Writes JSON with --out and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ DFLASH_DRAFTERS = {  # -> (load_drafter kind, tree)
 
 def configurations(args) -> list[tuple[str, str, int]]:
     """(label, kind, budget) in table order."""
-    kinds = [k for k in DRAFTERS if k in args.drafters and (k == "ngram" or args.drafter_path)]
+    kinds = [k for k in DRAFTERS if k in args.drafters]
     return [(DRAFTERS[kind], kind, budget) for kind in kinds for budget in args.budgets]
 
 
@@ -45,16 +45,15 @@ def run(args) -> dict:
     params = GenerationParams(max_new_tokens=args.max_new_tokens)
     graphs = args.device == "cuda"
     drafters = {"ngram": load_drafter("ngram")}
-    if args.drafter_path:
-        for kind, (drafter_kind, tree) in DFLASH_DRAFTERS.items():
-            if kind in args.drafters:
-                drafters[kind] = load_drafter(drafter_kind, args.drafter_path, tree, target=target, max_batch=1,
-                                              graphs=graphs, max_budget=max(args.budgets))
+    for kind, (drafter_kind, tree) in DFLASH_DRAFTERS.items():  # (without a path: the target's shipped one)
+        if kind in args.drafters:
+            drafters[kind] = load_drafter(drafter_kind, args.drafter_path, tree, target=target, max_batch=1,
+                                          graphs=graphs, max_budget=max(args.budgets))
     verifiers = one_request_verifiers(target.model, drafters.values(), encoded, args) if graphs else {}
     plain = [generate(target.model, tok, ids, params, verifier=verifiers.get(())).token_ids for ids in encoded]
     rows = []
     results = {"command": " ".join(["python -m treeserve.bench.acceptance_bench", *args.argv]),
-               "target": args.target, "drafter_path": str(args.drafter_path or ""),
+               "target": args.target, "drafter_path": str(args.drafter_path or "shipped"),
                "device": args.device, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
                "prompts_file": str(args.prompts), "rows": rows}
     for label, kind, budget in configurations(args):
@@ -93,13 +92,13 @@ def one_request_verifiers(model, drafters, encoded: list[list[int]], args) -> di
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineErrorParser(prog="python -m treeserve.bench.acceptance_bench", description=__doc__)
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--drafter-path", type=Path, help="a DFlash checkpoint (omit for n-gram only)")
+    parser.add_argument("--drafter-path", type=Path,
+                        help="a DFlash checkpoint folder (default: the one shipped for the target)")
     parser.add_argument("--prompts", type=Path, required=True, help="JSONL of {\"prompt\", \"chat\"}")
     parser.add_argument("--limit", type=int, help="use the first N prompts")
     parser.add_argument("--budgets", default="8,16,32,64", help="comma-separated (default 8,16,32,64)")
     parser.add_argument("--drafters", default=",".join(DRAFTERS),
-                        help=f"comma-separated, of {', '.join(DRAFTERS)} (default all; all but ngram need "
-                             "--drafter-path)")
+                        help=f"comma-separated, of {', '.join(DRAFTERS)} (default all)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
