@@ -212,7 +212,7 @@ def test_kv_moves_of_any_count_compile_nothing_after_warm_up():
     from treeserve.kernels.references import kv_move_reference
 
     cfg = random_target("qwen3", seed=1, vocab_size=VOCAB).config
-    cache = PagedKVCache(cfg, num_blocks=64, block_size=16, dtype=torch.bfloat16, device="cuda")
+    cache = PagedKVCache(cfg, num_blocks=128, block_size=16, dtype=torch.bfloat16, device="cuda")
     cache.data.copy_(torch.randn(cache.data.shape))
     def compiled() -> int:  # the kernel's compiled variants (Triton's cache per device)
         return sum(len(caches[0]) for caches in kv_move_module._kv_move_kernel.device_caches.values())
@@ -222,7 +222,7 @@ def test_kv_moves_of_any_count_compile_nothing_after_warm_up():
     assert warmed >= len(kv_move_module.PADDED_MOVES)
     rng = random.Random(2)
     for count in (1, 3, 5, 17, 33, 101, 515):
-        slots = rng.sample(range(64 * 16), 2 * count)
+        slots = rng.sample(range(128 * 16), 2 * count)
         want = cache.slabs.cpu()
         kv_move_reference(want, torch.tensor(slots[:count]), torch.tensor(slots[count:]))
         cache.move(slots[:count], slots[count:])

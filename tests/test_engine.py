@@ -223,9 +223,9 @@ def test_requests_batched_into_one_forward_each_get_their_own_output():
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_kept_features_reach_the_host_in_order_when_flushed(device):
     """FeatureBacklog: rows gathered over rounds land on each request's feature chunks in round order, one
-    chunk per request and transfer, only when flushed (before a draft) or, without `prepare`, once BACKSTOP times
-    FLUSH_ROUNDS rounds piled up; from a GPU, in page-locked memory. A long request's views of shared transfers get
-    joined into its own."""
+    chunk per request and hand-out, only when flushed (before a draft) or, without `prepare`, once BACKSTOP times
+    FLUSH_ROUNDS rounds piled up; on the host from a GPU too. A long request's views of shared copies get joined
+    into its own."""
     from treeserve.verifier.engine import FeatureBacklog, TargetFeatures
     from treeserve.verifier.rows import Rows
 
@@ -260,7 +260,7 @@ def test_kept_features_reach_the_host_in_order_when_flushed(device):
     assert len(a.chunks) == 2 and not backlog.rounds  # moved without a flush
     backlog.flush()  # (from a GPU, that copy may still be running until a flush)
     assert received(a) == sent[id(a)] and received(b) == sent[id(b)]
-    assert all(chunk.device.type == "cpu" and chunk.is_pinned() == (device == "cuda") for chunk in a.chunks)
+    assert all(chunk.device.type == "cpu" for chunk in a.chunks)
     for _ in range(3 * FeatureBacklog.JOIN_CHUNKS):
         round_of((b, 2), (a, 1))
         backlog.flush()

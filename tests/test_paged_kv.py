@@ -110,6 +110,42 @@ def test_moves_made_together_end_as_moves_made_one_by_one():
         assert torch.equal(read(pools[0], one_by_one), read(pools[1], together))
 
 
+def test_held_moves_wait_for_their_launch_and_come_before_any_reservation_or_move():
+    """moves_together(hold=True), as the verifier's scheduler commits a round: the accepted paths' rows stay where
+    they are until launch_held_moves, or until the next reservation or move, which launch them first (a block
+    freed by the round may be handed out there, or rows reserved over their sources); then every sequence's rows
+    are as moves made at once leave them."""
+    g = torch.Generator().manual_seed(3)
+    kept_rows = [[0, 2, 5], [0, 3, 4, 6, 8], [0, 4]]
+    for launch in ("launch", "reserve", "move"):
+        pools = [PagedKVCache(CFG, num_blocks=24, block_size=4, dtype=torch.float32, device="cpu") for _ in range(2)]
+        sequences = [[pool.sequence() for _ in kept_rows] for pool in pools]
+        for i in range(len(kept_rows)):
+            prefix, rows = (torch.randn(n, CFG.num_kv_heads, CFG.head_dim, generator=g) for n in (3 + i, 9))
+            for pool, own in zip(pools, sequences):
+                fill(pool, own[i].reserve(len(prefix)), prefix)
+                own[i].keep(list(range(len(prefix))))
+                fill(pool, own[i].reserve(len(rows)), rows)
+        for index, pool in enumerate(pools):
+            with pool.moves_together(hold=index == 1):
+                for kept, sequence in zip(kept_rows, sequences[index]):
+                    sequence.keep(kept)
+        assert pools[1].held_moves and not pools[0].held_moves
+        assert not torch.equal(pools[0].data, pools[1].data)  # nothing moved yet
+        if launch == "launch":
+            pools[1].launch_held_moves()
+        elif launch == "reserve":
+            for pool, own in zip(pools, sequences):
+                own[0].reserve(12)
+        else:
+            for pool in pools:
+                pool.move([0], [1])  # a later move: after the held ones
+        assert not pools[1].held_moves
+        for at_once, held in zip(sequences[0], sequences[1]):
+            assert torch.equal(read(pools[0], at_once), read(pools[1], held)), launch
+        assert torch.equal(pools[0].data, pools[1].data), launch
+
+
 def test_moves_as_tensors_and_as_slot_lists_together_are_the_same_moves():
     """PagedSequence.keep moves slot lists; a move of tensors inside the same moves_together joins them."""
     g = torch.Generator().manual_seed(2)

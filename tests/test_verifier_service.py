@@ -413,3 +413,54 @@ def test_a_drafters_reply_becomes_draft_trees_of_plain_lists():
     assert type(tree.tokens) is list and type(tree.parents) is list and type(tree.parents[0]) is int
     assert DrafterLink._tree(merged, reply.trees[0], True).lookup_nodes is None
     assert DrafterLink._tree(ngram, reply.trees[0], False).lookup_nodes is None
+
+
+class TokensOnly:
+    """What a drafter link reads of a request that sends no features: its committed tokens and budget."""
+
+    def __init__(self, tokens: list[int], budget: int):
+        self.tokens, self.budget, self.last_accepted = tokens, budget, 0
+
+    @property
+    def committed_count(self) -> int:
+        return len(self.tokens)
+
+    def committed_since(self, start: int) -> list[int]:
+        return self.tokens[start:]
+
+
+def test_a_rounds_draft_messages_go_out_before_the_loop_runs_anything_else(tmp_path):
+    """round.draft writes every drafter's messages before any task or callback the last round left ready runs (a
+    gateway stream's message, the round's metrics, the held KV move), so that those run while the drafters draft;
+    then it waits for the trees."""
+    import types
+
+    from treeserve.framing import FramedCall
+    from treeserve.verifier.engine import FeatureBacklog
+
+    async def main():
+        drafters = [await start_drafter(tmp_path, name) for name in ("one", "two")]
+        links = [DrafterLink(drafter.address, 1.0) for drafter in drafters]
+        order = []
+        for name, link in zip(("one", "two"), links):
+            assert await link.connect() and isinstance(link.call, FramedCall)
+            write = link.call.write
+
+            async def written(message, write=write, name=name):
+                await write(message)
+                order.append(f"{name} written")
+            link.call.write = written
+        asking = {request_id: types.SimpleNamespace(link=link, generation=TokensOnly([1, 2, 3, 1, 2], 4))
+                  for request_id, link in (("a", links[0]), ("b", links[1]), ("c", links[0]))}
+        for budgets in ({"a": 4, "b": 4, "c": 4}, {"a": 4, "c": 2}):  # two drafters, then one
+            order.clear()
+            asyncio.get_running_loop().call_soon(order.append, "ready before")
+            drafts = await verifier_round.draft(asking, budgets, {}, FeatureBacklog())
+            assert order[-1] == "ready before" and len(order) == 1 + len(drafts)
+            assert {request_id for found in drafts for request_id in found.trees} == set(budgets)
+            assert all(tree.tokens[0] == 2 for found in drafts for tree in found.trees.values())
+        for link in links:
+            await link.close()
+        for drafter in drafters:
+            await drafter.stop(None)
+    asyncio.run(main())

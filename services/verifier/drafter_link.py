@@ -75,6 +75,16 @@ class DraftRound:
         return sum(message.ByteSize() for message in self.responses)
 
 
+@dataclasses.dataclass
+class SentRound:
+    """A round's messages written on a link's stream (DrafterLink.send), their replies not yet read."""
+
+    messages: list[drafter_pb2.DraftRequest]
+    started: float  # perf_counter before the first write
+    catch_up: bool
+    lookup_only: bool
+
+
 # Most bytes of features one Draft message carries. gRPC refuses a message above its limit (serving.MESSAGE_OPTIONS)
 # with INTERNAL, and a long prompt's features, or a catch-up after many plain rounds at a large batch, exceed it;
 # such a round goes out as several messages, each request's rows in order, the last piece with its budget.
@@ -213,25 +223,43 @@ class DrafterLink:
         Only tokens and rows this stream has not seen travel.
         Returns the trees the drafter proposed; none when the link is down or fails this round (those requests
         then decode plainly)."""
+        return await self.replies(await self.send(requests, trace_contexts, budgets, lookup_only))
+
+    async def send(self, requests: dict, trace_contexts: dict[str, dict[str, str]],
+                   budgets: dict[str, int] | None = None, lookup_only: bool = False) -> SentRound | DraftRound:
+        """The first half of `draft`: the round's messages written. A frame's write does not suspend the caller (a
+        gRPC stream's message is handed over before it does), so the drafter has them before any other task of the
+        loop runs (a gateway stream's message, the last round's bookkeeping): those then run while it drafts.
+        Returns what `replies` waits on, or the DraftRound of a link that is down or failed."""
         if not self.up:
             return DraftRound({})
         catch_up = any(self._catches_up(request_id, generation, lookup_only)
                        for request_id, generation in requests.items())
         messages = self._messages(requests, trace_contexts, budgets or {}, lookup_only)
         started = time.perf_counter()
-        trees, propose_s, replies = {}, 0.0, []
         try:
             for message in messages:  # all written first: the drafter works through them while the rest travel
                 await self.call.write(message)
-            for message in messages:
+        except STREAM_FAILURES as error:
+            self._down(f"round failed: {describe(error)}")
+            return DraftRound({}, round_trip_s=time.perf_counter() - started)
+        return SentRound(messages, started, catch_up, lookup_only)
+
+    async def replies(self, sent: SentRound | DraftRound) -> DraftRound:
+        """The second half of `draft`: the trees the drafter answered `send`'s messages with."""
+        if isinstance(sent, DraftRound):
+            return sent
+        trees, propose_s, replies = {}, 0.0, []
+        try:
+            for message in sent.messages:
                 reply = await self._reply_to(message)
-                trees.update((tree.request_id, self._tree(tree, lookup_only)) for tree in reply.trees)
+                trees.update((tree.request_id, self._tree(tree, sent.lookup_only)) for tree in reply.trees)
                 propose_s += reply.propose_seconds
                 replies.append(reply)
         except STREAM_FAILURES as error:
             self._down(f"round failed: {describe(error)}")
-            return DraftRound({}, round_trip_s=time.perf_counter() - started)  # the wait is the round's all the same
-        return DraftRound(trees, propose_s, time.perf_counter() - started, messages, replies, catch_up)
+            return DraftRound({}, round_trip_s=time.perf_counter() - sent.started)  # the wait counts all the same
+        return DraftRound(trees, propose_s, time.perf_counter() - sent.started, sent.messages, replies, sent.catch_up)
 
     def _catches_up(self, request_id: str, generation, lookup_only: bool) -> bool:
         """Whether the request's item carries more than its last round's: tokens, or for the drafter's own tree

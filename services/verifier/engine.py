@@ -188,23 +188,22 @@ class TargetFeatures:
 
 
 class FeatureBacklog:
-    """The target features of requests that keep them (for a drafter in another process), gathered round by round
-    on the device and moved to the host together: when a drafter is about to need them (`flush`), or once
-    FLUSH_ROUNDS rounds or FLUSH_BYTES have piled up. A transfer in every round would be a synchronising copy in
-    every round, drafting or not.
+    """The target features of requests that keep them (for a drafter in another process), copied to the host round
+    by round and handed to each request's `chunks` together: when a drafter is about to need them (`flush`), or
+    once FLUSH_ROUNDS rounds or FLUSH_BYTES have piled up. Handing them out is host work per request, which plain
+    rounds need not pay every round.
 
     The scheduler calls `prepare` as it launches a forward: the forward's rows of the requests that keep features
-    are copied then, and a transfer that is due starts then, both queued behind the forward, so that their host
-    work (launches, page-locked memory) runs while the device verifies rather than after it, on the round's path.
-
-    From a GPU, the piled-up rows go to page-locked host memory without the host waiting for them (a pageable
-    copy waits for the device); `flush` waits. A request's chunks are views of one transfer for many requests,
-    which stays allocated while any of them holds a view: every JOIN_CHUNKS transfers, a request's newest views
-    are joined into a tensor of its own, so a long request does not hold the page-locked memory of every
-    transfer it was in."""
+    are copied then, one slice of each output, queued behind the forward and, from a GPU, straight to page-locked
+    host memory, so that neither the copy's launch nor a wait for it falls between the verification and the next
+    Draft message: `flush` groups rows already on the host. (`add` copies the same way for callers without
+    `prepare`.) A request's chunks are views of one grouping for many requests, which stays allocated while any of
+    them holds a view: every JOIN_CHUNKS groupings, a request's newest views are joined into a tensor of its own,
+    so a long request does not hold the page-locked memory of every round it was in."""
 
     FLUSH_ROUNDS, FLUSH_BYTES, JOIN_CHUNKS = 32, 64 << 20, 8
-    # Without `prepare`, `add` moves the pile itself, at this many times the bounds: a backstop for its other callers.
+    # Without `prepare`, `add` hands the pile out itself, at this many times the bounds: a backstop for its other
+    # callers.
     BACKSTOP = 2
     LISTED_ROWS = 512  # rows of one round that _grouped orders as Python lists
 
@@ -220,17 +219,17 @@ class FeatureBacklog:
     def prepare(self, features: list[Rows | None], keeps: list[bool]) -> list[Rows | None]:
         """At a forward's launch, behind it on the device: a transfer of the rows piled so far if one is due, and a
         copy of the rows of each plan that `keeps` its features (a CUDA graph's outputs are overwritten by its next
-        replay), one slice of each output. Returns the plans' features, those rows now in the copies; `add` piles
-        them as they are."""
+        replay), one slice of each output, to page-locked host memory from a GPU. Returns the plans' features, those
+        rows now in the copies; `add` piles them as they are."""
         if self.rounds >= self.FLUSH_ROUNDS or self.bytes >= self.FLUSH_BYTES:
-            self._to_host()
+            self._hand_out()
         self.launch_copies = []
         spans = _spans_of_sources([rows for rows, keep in zip(features, keeps) if keep and rows is not None])
         if not spans:
             return features
         copies = {}  # id(source) -> (the copy of its span, the span's first row)
         for key, (source, first, end) in spans.items():
-            copies[key] = (source[first:end].clone(), first)
+            copies[key] = (self._host_copy(source[first:end]), first)
             self.launch_copies.append(copies[key][0])
         prepared = []
         for rows, keep in zip(features, keeps):
@@ -251,7 +250,7 @@ class FeatureBacklog:
         for key, (source, first, end) in spans.items():
             shift[key] = self.piled_rows - first
             copied = any(source is copy for copy in self.launch_copies)
-            self.copies.append(source[first:end] if copied else source[first:end].clone())
+            self.copies.append(source[first:end] if copied else self._host_copy(source[first:end]))
             self.piled_rows += end - first
             self.bytes += self.copies[-1].numel() * self.copies[-1].element_size()
         for features in requests:
@@ -262,32 +261,32 @@ class FeatureBacklog:
         self.rounds += 1
         self.launch_copies = []
         if self.rounds >= self.BACKSTOP * self.FLUSH_ROUNDS or self.bytes >= self.BACKSTOP * self.FLUSH_BYTES:
-            self._to_host()
+            self._hand_out()
+
+    def _host_copy(self, rows: torch.Tensor) -> torch.Tensor:
+        """A copy of rows that outlives their source's next overwrite, on the host: from a GPU into page-locked
+        memory, queued behind the device's work without the host waiting (`copied` marks where it ends)."""
+        if not rows.is_cuda:
+            return rows.clone()
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        return host
 
     def flush(self) -> None:
         """Everything gathered so far onto each request's `chunks`, on the host when this returns."""
-        self._to_host()
-        if self.copied is not None:
-            self.copied.synchronize()
-            self.copied = None
+        self._hand_out()
 
-    def _to_host(self) -> None:
-        """Everything gathered so far onto each request's `chunks`, in one transfer: one chunk per request, its
-        rows of every round gathered on the device first (not a view per request and round). From a GPU, the
-        chunks are readable once `copied` has passed."""
+    def _hand_out(self) -> None:
+        """Everything piled so far onto each request's `chunks`: one chunk per request, its rows of every round
+        grouped first (not a view per request and round), once the copies to the host have ended."""
         if not self.kept:
             return
-        if self.copied is not None:  # the transfer before (normally long done): its chunks may be joined below
+        if self.copied is not None:  # (normally long done: queued behind a forward whose picks were waited for)
             self.copied.synchronize()
+            self.copied = None
         requests, totals, grouped = self._grouped()
-        if grouped.is_cuda:
-            host = torch.empty(grouped.shape, dtype=grouped.dtype, pin_memory=True)
-            host.copy_(grouped, non_blocking=True)
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-        else:
-            host = grouped
-        for features, chunk in zip(requests, host.split_with_sizes(totals)):
+        for features, chunk in zip(requests, grouped.split_with_sizes(totals)):
             chunks = features.chunks
             owned = next((i for i in range(len(chunks), 0, -1) if chunks[i - 1]._base is None), 0)
             if len(chunks) - owned >= self.JOIN_CHUNKS:  # earlier transfers' views: finished, joined
@@ -298,7 +297,7 @@ class FeatureBacklog:
 
     def _grouped(self) -> tuple[list[TargetFeatures], list[int], torch.Tensor]:
         """The requests in `kept`, their row counts, and their rows one request after another (each request's in
-        round order), on the device."""
+        round order)."""
         if len(self.kept) == 1 and is_run(self.kept[0][1]):  # one request's rows of one round, as a lone request's
             features, index = self.kept[0]
             return [features], [len(index)], self.copies[0][index.start:index.stop]
@@ -363,18 +362,19 @@ def _shifted(index: range | list[int], by: int) -> range | list[int]:
 
 def commit_round(generations: list["Generation"], plans: list[ForwardPlan], logits: list[Rows],
                  features: list[Rows | None], backlog: FeatureBacklog | None = None,
-                 choices: list[list[int]] | None = None) -> list[list[int]]:
+                 choices: list[list[int]] | None = None, hold_moves: bool = False) -> list[list[int]]:
     """Each generation's choices from its logits (or `choices`, picked already: HostPicks), moved to the host in
     one transfer (the round's one wait on the device), then committed. The kept features of those that keep them
-    go to `backlog` (by default one flushed at once: on the host when this returns). Returns each generation's
-    committed tokens."""
+    go to `backlog` (by default one flushed at once: on the host when this returns). The accepted paths' KV move
+    is launched before this returns, or with `hold_moves` left for PagedKVCache.launch_held_moves. Returns each
+    generation's committed tokens."""
     if not generations:
         return []
     if choices is None:
         choices = HostPicks(pick_round(generations, plans, logits)).lists()
     committed = []
     pool = plans[0].cache.cache if isinstance(plans[0].cache, PagedSequence) else None
-    with pool.moves_together() if pool is not None else contextlib.nullcontext():  # the accepted paths' KV
+    with pool.moves_together(hold_moves) if pool is not None else contextlib.nullcontext():  # the accepted paths' KV
         for generation, plan, plan_features, chosen in zip(generations, plans, features, choices):
             committed.append(generation.apply(plan, chosen, plan_features))
     keeping = [generation.features for generation in generations if generation.features.keep]

@@ -200,6 +200,7 @@ class TargetRunner:
         free to notice and fail the streams."""
         self.in_flight = True
         try:
+            self.verifier.pool.launch_held_moves()  # (the last commit's, if the loop has not launched them yet)
             args = (self.model, plans, self.feature_layer_ids, self.verifier, generations, self.feature_backlog)
             if self.verifier.pool.data.device.type != "cuda" or self.verifier.mirror is not None:
                 return await asyncio.get_running_loop().run_in_executor(self.compute, forward_and_picks, *args)
@@ -276,7 +277,10 @@ async def speculative_round(running: dict[str, Running], speculation: Speculatio
     generations = [running[request_id].generation for request_id in alive]
     committed = commit_round(generations, [plans[request_id] for request_id in alive],
                              [logits[i] for i in alive.values()], [features[i] for i in alive.values()],
-                             runner.feature_backlog, [choices[i] for i in alive.values()])
+                             runner.feature_backlog, [choices[i] for i in alive.values()], hold_moves=True)
+    # The accepted paths' KV move is launched when the loop next runs its ready tasks: after the next round's Draft
+    # messages are written, while the drafters draft (a reservation or forward before then launches it first).
+    asyncio.get_running_loop().call_soon(runner.verifier.pool.launch_held_moves)
     verified = time.perf_counter()
     report.verify_s = verified - planned
     # Emit: the committed tokens on each request's stream, then the final message of one that has finished.
@@ -305,8 +309,14 @@ async def draft(asking: dict[str, Running], budgets: dict[str, int], trace_conte
     for request_id in budgets:
         entry = asking[request_id]
         by_link.setdefault(entry.link, {})[request_id] = entry.generation
-    return list(await asyncio.gather(*(link.draft(requests, trace_contexts, budgets, lookup_only)
-                                       for link, requests in by_link.items())))
+    # Every drafter's messages written before the loop runs anything else (tasks for the writes would queue behind
+    # what the last round woke: the gateway streams' messages, its metrics), then the replies awaited together.
+    sent = [(link, await link.send(requests, trace_contexts, budgets, lookup_only))
+            for link, requests in by_link.items()]
+    if len(sent) == 1:  # (one drafter, as usual: no task to wake in between)
+        link, written = sent[0]
+        return [await link.replies(written)]
+    return list(await asyncio.gather(*(link.replies(written) for link, written in sent)))
 
 
 def plan(request_id: str, generation: Generation, tree: DraftTree | None) -> ForwardPlan:

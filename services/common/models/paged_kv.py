@@ -45,6 +45,14 @@ def _slot_tensor(slots: list[int]) -> torch.Tensor:
     return torch.from_numpy(np.array(slots, dtype=np.int64))
 
 
+def _joined(moves: list[tuple]) -> tuple:
+    """Several moves as one: slot numbers as one list each where all are lists, else tensors."""
+    if all(isinstance(source, list) for source, _ in moves):
+        return [slot for source, _ in moves for slot in source], [slot for _, target in moves for slot in target]
+    return (torch.cat([torch.as_tensor(source) for source, _ in moves]),
+            torch.cat([torch.as_tensor(target) for _, target in moves]))
+
+
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str):
@@ -59,6 +67,7 @@ class PagedKVCache:
         # ranks can repeat it on their shards of the pool.
         self.recorded_moves: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.deferred_moves: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # inside `moves_together`
+        self.held_moves: list[tuple[list[int] | torch.Tensor, list[int] | torch.Tensor]] = []  # moves_together(hold)
         # On a GPU, page-locked buffers that moves' slot numbers are staged in, in turn (grown as needed), and each
         # one's event that the copy out of it has ended.
         self.move_staging: list[torch.Tensor | None] = [None, None]
@@ -73,6 +82,8 @@ class PagedKVCache:
         if self.deferred_moves is not None:
             self.deferred_moves.append((source, target))
             return
+        if self.held_moves:  # (they came first)
+            self.launch_held_moves()
         if isinstance(source, list):
             source, target = _slot_tensor(source), _slot_tensor(target)
         if self.recorded_moves is not None:
@@ -115,11 +126,13 @@ class PagedKVCache:
             warm_up(self.slabs)
 
     @contextlib.contextmanager
-    def moves_together(self):
+    def moves_together(self, hold: bool = False):
         """The moves made inside happen on leaving, as one copy. A round's accepted paths, moved request by
         request, cost two transfers and two indexing kernels each (at 64 requests, the host's launches add up);
         the requests' slots never overlap, so one copy does the same. Blocks freed inside are not handed out again
-        before the copy: only a new reservation takes them, and none may be made inside."""
+        before the copy: only a new reservation takes them, and none may be made inside.
+        With `hold`, the copy waits for `launch_held_moves`, so that its launch can run off a round's path (while a
+        drafter drafts): the next reservation or move launches it first, and a forward's caller must too."""
         if self.deferred_moves is not None:
             raise TreeserveError("moves_together does not nest")
         self.deferred_moves = []
@@ -127,12 +140,18 @@ class PagedKVCache:
             yield
         finally:
             moves, self.deferred_moves = self.deferred_moves, None
-            if moves and all(isinstance(source, list) for source, _ in moves):  # slot numbers: one array each
-                self.move([slot for source, _ in moves for slot in source],
-                          [slot for _, target in moves for slot in target])
-            elif moves:
-                self.move(torch.cat([torch.as_tensor(source) for source, _ in moves]),
-                          torch.cat([torch.as_tensor(target) for _, target in moves]))
+            if moves:
+                joined = _joined(moves)
+                if hold:
+                    self.held_moves.append(joined)
+                else:
+                    self.move(*joined)
+
+    def launch_held_moves(self) -> None:
+        """The moves that moves_together(hold=True) left, in their order."""
+        held, self.held_moves = self.held_moves, []
+        for source, target in held:
+            self.move(source, target)
 
     @staticmethod
     def blocks_that_fit(cfg: ModelConfig, block_size: int, dtype: torch.dtype, free_bytes: int,
@@ -195,6 +214,8 @@ class PagedSequence:
 
     def _grow(self, count: int) -> None:
         """Blocks enough for `count` pending rows after the committed ones."""
+        if self.cache.held_moves:  # their rows may be in blocks handed out here, or in rows reserved here
+            self.cache.launch_held_moves()
         needed = self.cache.blocks_for(self.length + count) - len(self.blocks)
         if needed > 0:
             if self.cache.deferred_moves is not None:  # a block freed inside could be handed out before its copy
