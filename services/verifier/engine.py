@@ -265,10 +265,11 @@ class FeatureBacklog:
 
     def _host_copy(self, rows: torch.Tensor) -> torch.Tensor:
         """A copy of rows that outlives their source's next overwrite, on the host: from a GPU into page-locked
-        memory, queued behind the device's work without the host waiting (`copied` marks where it ends)."""
+        memory (as HostPicks copies), queued behind the device's work without the host waiting (`copied` marks
+        where it ends)."""
         if not rows.is_cuda:
             return rows.clone()
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows, non_blocking=True)
+        host = rows.to("cpu", non_blocking=True)
         self.copied = torch.cuda.Event()
         self.copied.record()
         return host
