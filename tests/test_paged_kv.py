@@ -133,6 +133,12 @@ def test_held_moves_wait_for_their_launch_and_come_before_any_reservation_or_mov
         assert pools[1].held_moves and not pools[0].held_moves
         assert not torch.equal(pools[0].data, pools[1].data)  # nothing moved yet
         if launch == "launch":
+            real_launch = pools[1]._launch
+            pools[1]._launch = lambda source, target: 1 / 0  # a launch that fails leaves its move held
+            with pytest.raises(ZeroDivisionError):
+                pools[1].launch_held_moves()
+            assert pools[1].held_moves
+            pools[1]._launch = real_launch
             pools[1].launch_held_moves()
         elif launch == "reserve":
             for pool, own in zip(pools, sequences):

@@ -82,8 +82,10 @@ class PagedKVCache:
         if self.deferred_moves is not None:
             self.deferred_moves.append((source, target))
             return
-        if self.held_moves:  # (they came first)
-            self.launch_held_moves()
+        self.launch_held_moves()  # (they came first)
+        self._launch(source, target)
+
+    def _launch(self, source: torch.Tensor | list[int], target: torch.Tensor | list[int]) -> None:
         if isinstance(source, list):
             source, target = _slot_tensor(source), _slot_tensor(target)
         if self.recorded_moves is not None:
@@ -148,10 +150,11 @@ class PagedKVCache:
                     self.move(*joined)
 
     def launch_held_moves(self) -> None:
-        """The moves that moves_together(hold=True) left, in their order."""
-        held, self.held_moves = self.held_moves, []
-        for source, target in held:
-            self.move(source, target)
+        """The moves that moves_together(hold=True) left, in their order. One that fails stays held, so that the
+        next reservation or forward fails with it rather than read rows it did not move."""
+        while self.held_moves:
+            self._launch(*self.held_moves[0])
+            del self.held_moves[0]
 
     @staticmethod
     def blocks_that_fit(cfg: ModelConfig, block_size: int, dtype: torch.dtype, free_bytes: int,
