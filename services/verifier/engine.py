@@ -202,7 +202,7 @@ class FeatureBacklog:
     so a long request does not hold the page-locked memory of every round it was in."""
 
     FLUSH_ROUNDS, FLUSH_BYTES, JOIN_CHUNKS = 32, 64 << 20, 8
-    # Without `prepare`, `add` hands the pile out itself, at this many times the bounds: a backstop for its other
+    # Without `prepare`, `add` flushes the pile itself, at this many times the bounds: a backstop for its other
     # callers.
     BACKSTOP = 2
     LISTED_ROWS = 512  # rows of one round that _grouped orders as Python lists
@@ -222,7 +222,7 @@ class FeatureBacklog:
         replay), one slice of each output, to page-locked host memory from a GPU. Returns the plans' features, those
         rows now in the copies; `add` piles them as they are."""
         if self.rounds >= self.FLUSH_ROUNDS or self.bytes >= self.FLUSH_BYTES:
-            self._hand_out()
+            self.flush()
         self.launch_copies = []
         spans = _spans_of_sources([rows for rows, keep in zip(features, keeps) if keep and rows is not None])
         if not spans:
@@ -261,7 +261,7 @@ class FeatureBacklog:
         self.rounds += 1
         self.launch_copies = []
         if self.rounds >= self.BACKSTOP * self.FLUSH_ROUNDS or self.bytes >= self.BACKSTOP * self.FLUSH_BYTES:
-            self._hand_out()
+            self.flush()
 
     def _host_copy(self, rows: torch.Tensor) -> torch.Tensor:
         """A copy of rows that outlives their source's next overwrite, on the host: from a GPU into page-locked
@@ -275,12 +275,9 @@ class FeatureBacklog:
         return host
 
     def flush(self) -> None:
-        """Everything gathered so far onto each request's `chunks`, on the host when this returns."""
-        self._hand_out()
-
-    def _hand_out(self) -> None:
-        """Everything piled so far onto each request's `chunks`: one chunk per request, its rows of every round
-        grouped first (not a view per request and round), once the copies to the host have ended."""
+        """Everything piled so far onto each request's `chunks`, readable when this returns: one chunk per request,
+        its rows of every round grouped first (not a view per request and round), once the copies to the host have
+        ended."""
         if not self.kept:
             return
         if self.copied is not None:  # (normally long done: queued behind a forward whose picks were waited for)
