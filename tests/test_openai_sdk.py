@@ -200,16 +200,18 @@ def test_http_requests_are_counted_by_route_and_status(services):
 
 
 def test_sigterm_lets_an_http_stream_finish(services, client, model):
-    """Runs last: it stops the module's gateway in the middle of a stream, which still ends complete."""
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
-                                            temperature=0, max_tokens=60, stream=True,
-                                            extra_body={"ignore_eos": True, "return_token_ids": True})
-    chunks = [next(iter(stream))]
-    with verifier_paused(services):
-        services.process("gateway").send_signal(signal.SIGTERM)
-        wait_for(lambda: health(services.gateway) != SERVING, timeout_s=5, what="the gateway to stop serving")
-        assert gateway_inflight(services) == 1  # the stream was under way when SIGTERM came
-    chunks += list(stream)
+    """Runs last: it stops the module's gateway while a stream is in flight, which still ends complete. The
+    verifier is stopped before the request goes out, so the tiny model cannot finish the stream before SIGTERM."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with verifier_paused(services):
+            opened = pool.submit(client.chat.completions.create, model=model, temperature=0, max_tokens=60,
+                                 messages=[{"role": "user", "content": PROMPT}], stream=True,
+                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+            wait_for(lambda: gateway_inflight(services) == 1, timeout_s=10, what="the stream admitted")
+            services.process("gateway").send_signal(signal.SIGTERM)
+            wait_for(lambda: health(services.gateway) != SERVING, timeout_s=5, what="the gateway to stop serving")
+            assert gateway_inflight(services) == 1  # the stream was under way when SIGTERM came
+        chunks = list(opened.result(timeout=60))
     tokens = sum((c.choices[0].model_extra.get("token_ids", []) for c in chunks if c.choices), [])
     assert len(tokens) == 60 and chunks[-1].choices[0].finish_reason == "length"
     assert services.process("gateway").wait(timeout=15) == 0
