@@ -164,6 +164,30 @@ def test_tree_round_on_the_cpu(tmp_path):
     assert report["command"].startswith("python -m treeserve.bench.tree_round --target")
 
 
+def test_draft_round_on_the_cpu(tmp_path):
+    """The drafter service's host work a round, phase by phase, for both DFlash drafters, the device stubbed."""
+    import torch
+
+    from random_targets import random_dflash_drafter
+    from treeserve.bench.draft_round import PHASES, main
+    from treeserve.drafter.dflash import save_dflash
+    from treeserve.loading import load_target
+
+    target = tiny_models.write_hf_folder("qwen3", tmp_path / "model", seed=0)
+    save_dflash(random_dflash_drafter(load_target(str(target)).model, "ddtree").model, tmp_path / "drafter",
+                dtype=torch.float32)
+    out = tmp_path / "draft-round.json"
+    assert main(["--target", str(target), "--drafter-path", str(tmp_path / "drafter"), "--dtype", "float32",
+                 "--batches", "1,3", "--budget", "8", "--context", "12", "--rounds", "5", "--warm-up", "1",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(row["drafter"], row["batch"]) for row in report["rows"]] == [
+        ("merged", 1), ("merged", 3), ("dflash", 1), ("dflash", 3)]
+    assert all(row["rounds"] == 5 for row in report["rows"])
+    assert all(row["us"][phase] > 0 for row in report["rows"] for phase in PHASES)
+    assert all(row["us"]["total"] >= max(row["us"][phase] for phase in PHASES) for row in report["rows"])
+
+
 @pytest.mark.slow
 def test_service_profile_on_the_cpu(tmp_path):
     """A second of each mode through the three services: tokens, the verifier's phases, and (where py-spy is

@@ -507,3 +507,48 @@ def test_a_feature_region_takes_what_room_dev_shm_has(monkeypatch):
     room["bytes"] = feature_region.SMALLEST_REGION_BYTES - 1
     assert feature_region.FeatureRegion.create(64 << 20) is None
     assert set(feature_region.SHARED_MEMORY_DIR.glob(f"{feature_region.FILE_PREFIX}*")) <= files  # none left behind
+
+
+def test_rows_read_in_place_from_the_region_or_kept_for_later_are_the_ones_sent(target):
+    """A round of the drafter's own trees reads its rows in the feature region in place; rows that wait for a later
+    round (a round of prompt lookup's trees alone that brought some) are copied out first, since the verifier writes
+    the region again for its next round. Either way the context holds what the verifier sent: the same keys and
+    values as a drafter fed the same rows in the messages, however the region is written after each round."""
+    from treeserve.drafter.merged import MergedDrafter
+    from treeserve.feature_region import MappedRegion
+
+    rows = torch.randn(12, random_dflash_drafter(target.model, "ddtree").feature_size)
+    # (new tokens, rows of them, lookup's tree alone): the prompt's rows come with a round of lookup's trees.
+    rounds = [([1, 2, 3, 4, 5], 4, True), ([6, 7], 2, False), ([8, 9, 10], 3, True), ([11], 1, False)]
+
+    def serve(region):
+        drafter = MergedDrafter(random_dflash_drafter(target.model, "ddtree"))
+        mapped = MappedRegion(region.path) if region is not None else None
+        sent, trees = 0, []
+        with DrafterServicer(drafter).stream() as answer:
+            for round_, (tokens, count, lookup_only) in enumerate(rounds, 1):
+                item = drafter_pb2.DraftItem(request_id="a", new_token_ids=tokens, budget=4, lookup_only=lookup_only)
+                part = rows[sent:sent + count]
+                if region is not None:
+                    region.clear()
+                    features_to_proto(region.place([part]), into=item.features)
+                else:
+                    features_to_proto(part, into=item.features)
+                sent += count
+                reply = answer(drafter_pb2.DraftRequest(round=round_, items=[item]), mapped)
+                trees.append([(list(tree.token_ids), list(tree.parents)) for tree in reply.trees])
+                if region is not None:
+                    region.bytes.fill_(0x7F)  # the verifier's next round, writing over this one's rows
+            pool = drafter.dflash.pool.data.clone()
+        if mapped is not None:
+            mapped.close()
+        return pool, trees
+
+    region = feature_region.FeatureRegion(1 << 20)
+    try:
+        through_region = serve(region)
+    finally:
+        region.close()
+    in_messages = serve(None)
+    torch.testing.assert_close(through_region[0], in_messages[0], rtol=0, atol=0)
+    assert through_region[1] == in_messages[1]

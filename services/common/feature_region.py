@@ -133,14 +133,19 @@ class MappedRegion:
 
         self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
 
-    def rows(self, offset: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-        """A copy of the rows at `offset` (the verifier writes the region again next round)."""
+    def rows(self, offset: int, shape: tuple[int, int], dtype: torch.dtype, copy: bool = True) -> torch.Tensor:
+        """The rows at `offset`: a copy, or with `copy=False` a view of the region, which the verifier writes again
+        for its next round (so only for rows read before this round's answer goes back)."""
         end = offset + shape[0] * shape[1] * dtype.itemsize
         if offset % ALIGNMENT or end > self.size:
             raise TreeserveError(f"features at bytes {offset}..{end} of a feature region of {self.size} bytes "
                                  f"(offsets are multiples of {ALIGNMENT})")
-        return self.bytes[offset:end].view(dtype).view(shape).clone()
+        rows = self.bytes[offset:end].view(dtype).view(shape)
+        return rows.clone() if copy else rows
 
     def close(self) -> None:
         del self.bytes
-        self.map.close()
+        try:
+            self.map.close()
+        except BufferError:  # a view of it still lives (a stream that ended mid-round): unmapped with the last one
+            pass

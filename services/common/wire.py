@@ -57,9 +57,10 @@ def features_to_proto(features, into: drafter_pb2.Features | None = None) -> dra
     return message
 
 
-def features_from_proto(message: drafter_pb2.Features, region=None):
+def features_from_proto(message: drafter_pb2.Features, region=None, copy: bool = True):
     """The rows a Features message carries, or points to in the stream's feature region (a
-    treeserve.feature_region.MappedRegion, None where the stream shared none), as a tensor of their own."""
+    treeserve.feature_region.MappedRegion, None where the stream shared none), as a tensor of their own; with
+    `copy=False`, rows in the region as a view of it (MappedRegion.rows says when that is safe)."""
     import torch
 
     if message.dtype not in FEATURE_DTYPES:
@@ -75,7 +76,7 @@ def features_from_proto(message: drafter_pb2.Features, region=None):
         if region is None:
             raise TreeserveError("features in a feature region, but this stream has none (only a framed stream "
                                  "can share one)")
-        return region.rows(message.region_offset, shape, dtype)
+        return region.rows(message.region_offset, shape, dtype, copy)
     if not data:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(data), dtype=dtype).view(shape)

@@ -244,7 +244,7 @@ class DFlashRequest:
     def __init__(self, sequence: PagedSequence):
         self.tokens: list[int] = []
         self.sequence = sequence
-        self.unwritten: list[tuple[torch.Tensor, np.ndarray, torch.Tensor]] = []
+        self.unwritten: list[tuple[np.ndarray, np.ndarray, torch.Tensor]] = []
 
     @property
     def unwritten_rows(self) -> int:
@@ -284,7 +284,7 @@ class RoundInputs:
         self.host_features = self.features.cpu().pin_memory() if self.on_gpu else self.features
         self.copied = torch.cuda.Event() if self.on_gpu else None
 
-    def stage(self, budgets: list[int], parts: list[tuple[torch.Tensor, np.ndarray, torch.Tensor]]) -> None:
+    def stage(self, budgets: list[int], parts: list[tuple[np.ndarray, np.ndarray, torch.Tensor]]) -> None:
         """This round's budgets and context rows (parts of (slots, positions, features) in turn), copied in."""
         if self.copied is not None:
             self.copied.synchronize()
@@ -295,7 +295,7 @@ class RoundInputs:
                                  f"inputs ({len(budgets_np)} and {len(slots_np)})")
         budgets_np[:len(budgets)], budgets_np[len(budgets):] = budgets, 0
         if parts:
-            slots_np[:rows] = np.concatenate([slots.numpy() for slots, _, _ in parts])
+            slots_np[:rows] = np.concatenate([slots for slots, _, _ in parts])
             positions_np[:rows] = np.concatenate([positions for _, positions, _ in parts])
         slots_np[rows:], positions_np[rows:] = -1, 0
         features = [part_features for _, _, part_features in parts]
@@ -441,8 +441,8 @@ class DFlashDrafter:
         context.tokens.extend(tokens)
         if rows:
             positions = np.arange(sequence.length, sequence.length + rows)
-            context.unwritten.append((sequence.reserve(rows), positions, features))
-            sequence.keep(list(range(rows)))
+            context.unwritten.append((sequence.reserve_array(rows), positions, features))
+            sequence.commit(rows)
             self.unwritten[id(context)] = context
 
     def write_context(self, contexts: list[DFlashRequest] | None = None) -> None:
@@ -451,10 +451,10 @@ class DFlashDrafter:
         parts = [part for context in contexts for part in self._take_unwritten(context)]
         if parts:
             slots, positions, features = zip(*parts)
-            self.model.write_context(self.pool, torch.cat(slots), torch.from_numpy(np.concatenate(positions)),
-                                     torch.cat(features), self.kernels)
+            self.model.write_context(self.pool, torch.from_numpy(np.concatenate(slots)),
+                                     torch.from_numpy(np.concatenate(positions)), torch.cat(features), self.kernels)
 
-    def _take_unwritten(self, context: DFlashRequest) -> list[tuple[torch.Tensor, np.ndarray, torch.Tensor]]:
+    def _take_unwritten(self, context: DFlashRequest) -> list[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
         parts, context.unwritten = context.unwritten, []
         self.unwritten.pop(id(context), None)
         return parts
@@ -502,7 +502,7 @@ class DFlashDrafter:
             sequences, [[context.tokens[-1]] + [mask_token] * (block - 1) for context in contexts],
             [np.arange(s.length, s.length + block) for s in sequences], [self.block_mask] * len(contexts))
         for sequence in sequences:
-            sequence.keep([])  # the block's own keys and values are never context
+            sequence.commit(0)  # the block's own keys and values are never context
         return log_probs
 
     @torch.inference_mode()

@@ -14,8 +14,6 @@ their feature rows come with the next round that drafts with DFlash.
 
 from __future__ import annotations
 
-import dataclasses
-
 from treeserve.drafter.ngram import NgramDrafter
 from treeserve.tree import DraftTree, TokenContext
 
@@ -74,7 +72,7 @@ def merge(root: int, chain: list[int], tree: DraftTree) -> DraftTree:
     can only repeat a node of the chain (no two of its own nodes share parent and token): the one whose parent
     lies on the chain at depth d and whose token is the chain's next, chain[d]."""
     if not chain:
-        return dataclasses.replace(tree, lookup_nodes=0)
+        return DraftTree(tree.tokens, tree.parents, lookup_nodes=0)
     tokens, parents = [root, *chain], list(range(-1, len(chain)))
     merged_of = [0]  # tree node -> merged node
     chain_depth = [0]  # tree node -> its depth on the chain, or -1 off it

@@ -292,4 +292,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             raise TreeserveError(f"request {item.request_id!r}: features of shape {shape} for {new} new tokens; "
                                  f"expected ({wanted}, {self.drafter.feature_size})"
                                  f"{'' if all_needed else ' or fewer rows'}")
-        return features_from_proto(item.features, region) if sent else None
+        # Rows that the drafter's own tree of this round writes are read before the answer goes back, and so before
+        # the verifier writes the region again: those are read in place. Others wait for a later round: copied.
+        return features_from_proto(item.features, region, copy=not all_needed) if sent else None

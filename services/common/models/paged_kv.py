@@ -243,6 +243,11 @@ class PagedSequence:
             # As lists of slot numbers: for the few rows of an accepted path, Python's arithmetic costs less than
             # NumPy's or torch's calls, and a round's moves become one array (moves_together).
             self.cache.move(self._slot_numbers(pending_rows), self._slot_numbers(range(count)))
+        self.commit(count)
+
+    def commit(self, count: int) -> None:
+        """Commit the first `count` pending rows, where they lie (0: drop every pending row), and free the blocks
+        past the new end: `keep` of rows 0 .. count - 1, without the check for a move."""
         self.length += count
         self._trim()
 
