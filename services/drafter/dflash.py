@@ -265,29 +265,40 @@ def tree_widths(widest: int) -> list[int]:
 class RoundInputs:
     """What the drafter's graphs read each round besides the pool and the block rows, on the device: each
     request's budget (0 for padding requests) and the context rows the block forward first writes (their slots,
-    -1 for none, positions and features), back to back from row 0. Filled from host buffers allocated once,
-    page-locked on a GPU so that the copies in are queued without the host waiting for them (on the CPU, the device
-    tensors themselves); refilling them waits only for the last copies out of them, normally long done."""
+    -1 for none, positions and features), back to back from row 0. Filled from a host buffer allocated once,
+    page-locked on a GPU so that the copy in is queued without the host waiting for it (on the CPU, the device
+    tensors themselves).
+
+    The long inputs and then the feature rows lie in one buffer, so that a round copies what it uses in one copy.
+    Refilling the host buffer waits for the last copy out of it only where the drafter has not waited for the
+    device since (`settled`): a round of trees always has, as it reads them back."""
 
     def __init__(self, max_batch: int, rows: int, feature_size: int, dtype: torch.dtype, device: torch.device):
         self.on_gpu = device.type == "cuda"
-        # The long inputs share one buffer, so that a round copies them in at once.
-        longs = torch.zeros(max_batch + 2 * rows, dtype=torch.long)
-        longs[max_batch:max_batch + rows] = -1  # no slots: nothing to write
-        self.longs = longs.to(device)
-        self.budgets, self.slots, self.positions = self.longs.split([max_batch, rows, rows])
-        self.features = torch.zeros(rows, feature_size, dtype=dtype, device=device)
-        self.host_longs = longs.pin_memory() if self.on_gpu else self.longs
+        self.longs_bytes = (max_batch + 2 * rows) * 8
+        self.row_bytes = feature_size * dtype.itemsize
+        host = torch.zeros(self.longs_bytes + rows * self.row_bytes, dtype=torch.uint8, pin_memory=self.on_gpu)
+        host_longs = host[:self.longs_bytes].view(torch.long)
+        host_longs[max_batch:max_batch + rows] = -1  # no slots: nothing to write
+        self.host = host
+        self.buffer = host.to(device) if self.on_gpu else host
+        self.budgets, self.slots, self.positions = self.buffer[:self.longs_bytes].view(torch.long).split(
+            [max_batch, rows, rows])
+        self.features = self.buffer[self.longs_bytes:].view(dtype).view(rows, feature_size)
         # NumPy views of the host buffer, made once: the round fills them.
         self.host_budgets, self.host_slots, self.host_positions = (
-            part.numpy() for part in self.host_longs.split([max_batch, rows, rows]))
-        self.host_features = self.features.cpu().pin_memory() if self.on_gpu else self.features
-        self.copied = torch.cuda.Event() if self.on_gpu else None
+            part.numpy() for part in host_longs.split([max_batch, rows, rows]))
+        self.host_features = host[self.longs_bytes:].view(dtype).view(rows, feature_size)
+        self.unsettled = False  # a copy in is queued that the device may not have made yet
+
+    def settled(self) -> None:
+        """The device has done all the work queued so far: the caller waited for it."""
+        self.unsettled = False
 
     def stage(self, budgets: list[int], parts: list[tuple[np.ndarray, np.ndarray, torch.Tensor]]) -> None:
         """This round's budgets and context rows (parts of (slots, positions, features) in turn), copied in."""
-        if self.copied is not None:
-            self.copied.synchronize()
+        if self.unsettled:  # (not in rounds of trees: see the class)
+            torch.cuda.current_stream().synchronize()
         budgets_np, slots_np, positions_np = self.host_budgets, self.host_slots, self.host_positions
         rows = sum(len(slots) for slots, _, _ in parts)
         if len(budgets) > len(budgets_np) or rows > len(slots_np):
@@ -306,10 +317,9 @@ class RoundInputs:
             else:  # in process on a GPU: the target's features are there already
                 self.features[:rows] = torch.cat([f.to(self.features.device) for f in features])
         if self.on_gpu:
-            self.longs.copy_(self.host_longs, non_blocking=True)
-            if features and on_host:
-                self.features[:rows].copy_(self.host_features[:rows], non_blocking=True)
-            self.copied.record()
+            used = self.longs_bytes + (rows * self.row_bytes if features and on_host else 0)
+            self.buffer[:used].copy_(self.host[:used], non_blocking=True)
+            self.unsettled = True
 
 
 # Context tokens the drafter's pool holds over all requests, unless told (per token: 2 x layers x kv heads x
@@ -537,6 +547,9 @@ class DFlashDrafter:
         for start in range(0, len(contexts), step):
             chunk, chunk_budgets = contexts[start:start + step], list(budgets[start:start + step])
             log_probs = self._run_block(chunk, chunk_budgets)
-            packed = self._trees(log_probs, self.width_for(max(chunk_budgets)))[:len(chunk)]
-            trees += unpack_trees([context.tokens[-1] for context in chunk], packed.tolist())
+            packed = self._trees(log_probs, self.width_for(max(chunk_budgets)))[:len(chunk)].tolist()
+            # (reading the trees back waited for the device: every copy in before them has been made)
+            self.inputs.settled()
+            self.runner.settled()
+            trees += unpack_trees([context.tokens[-1] for context in chunk], packed)
         return trees

@@ -214,6 +214,7 @@ class FeatureBacklog:
         self.kept: list[tuple[TargetFeatures, range | list[int]]] = []
         self.rounds = self.bytes = 0
         self.copied: torch.cuda.Event | None = None  # where the last copy to the host ends, while one may run
+        self.copy_event: torch.cuda.Event | None = None  # the event `copied` is, made once
         self.launch_copies: list[torch.Tensor] = []  # the forward's rows that `prepare` copied, until `add`
 
     def prepare(self, features: list[Rows | None], keeps: list[bool]) -> list[Rows | None]:
@@ -270,7 +271,9 @@ class FeatureBacklog:
         if not rows.is_cuda:
             return rows.clone()
         host = rows.to("cpu", non_blocking=True)
-        self.copied = torch.cuda.Event()
+        if self.copy_event is None:  # (one, recorded again by each copy: as HostPicks.copy_event)
+            self.copy_event = torch.cuda.Event()
+        self.copied = self.copy_event
         self.copied.record()
         return host
 
@@ -411,13 +414,20 @@ class HostPicks:
     """A round's picks (pick_round) on their way to the host in one copy, into page-locked memory from a GPU so
     that launching it does not wait: a caller that waits for the device anyway (`copied`) finds them there."""
 
+    # One event for every round's copy, recorded again by each: a later record would only make a wait for an
+    # earlier copy longer, never shorter (one stream), and an event made and destroyed each round is two driver
+    # calls on the round's path.
+    copy_event: torch.cuda.Event | None = None
+
     def __init__(self, picks: list[torch.Tensor]):
         self.sizes = [len(pick) for pick in picks]
         flat = torch.cat(picks)
         self.copied: torch.cuda.Event | None = None
         if flat.is_cuda:
             flat = flat.to("cpu", non_blocking=True)
-            self.copied = torch.cuda.Event()
+            if HostPicks.copy_event is None:
+                HostPicks.copy_event = torch.cuda.Event()
+            self.copied = HostPicks.copy_event
             self.copied.record()
         self.flat = flat
 

@@ -205,7 +205,9 @@ class TargetRunner:
             if self.verifier.pool.data.device.type != "cuda" or self.verifier.mirror is not None:
                 return await asyncio.get_running_loop().run_in_executor(self.compute, forward_and_picks, *args)
             logits, features, picks = launch_forward_and_picks(*args)
+            copies = self.verifier.runner.copies_queued
             await wait_for_device(picks.copied)
+            self.verifier.runner.settled(copies)  # (queued before the picks: made)
             return logits, features, picks.lists()
         finally:
             self.in_flight = False
