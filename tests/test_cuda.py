@@ -228,3 +228,20 @@ def test_kv_moves_of_any_count_compile_nothing_after_warm_up():
         cache.move(slots[:count], slots[count:])
         assert torch.equal(cache.slabs.cpu(), want), count
     assert compiled() == warmed, f"{compiled() - warmed} variants compiled after warm-up"
+
+
+def test_context_rows_reach_the_gpu_through_page_locked_memory_as_they_were():
+    """A prompt's context rows, written eagerly by a DFlash drafter, reach the GPU in one copy from page-locked
+    memory (slots, positions, features in parts, cast to the drafter's dtype), equal to copying each as it is."""
+    import numpy as np
+
+    from treeserve.drafter.dflash import rows_to_gpu
+
+    slots, positions = np.arange(300, 340), np.arange(40) + 5
+    parts = [torch.randn(25, 24), torch.randn(15, 24)]
+    for dtype in (torch.float32, torch.bfloat16):
+        got = rows_to_gpu(slots, positions, parts, dtype, torch.device("cuda"))
+        torch.cuda.synchronize()
+        assert all(tensor.is_cuda for tensor in got)
+        assert got[0].tolist() == slots.tolist() and got[1].tolist() == positions.tolist()
+        assert torch.equal(got[2].cpu(), torch.cat(parts).to(dtype))

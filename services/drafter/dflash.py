@@ -322,6 +322,23 @@ class RoundInputs:
             self.unsettled = True
 
 
+def rows_to_gpu(slots: np.ndarray, positions: np.ndarray, features: list[torch.Tensor], dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Context rows from the host (their slots, positions and features, in parts) on the GPU, through one
+    page-locked buffer in one copy, queued without the host waiting for it: a copy from pageable memory waits for
+    the copy, and so for the device's work queued before it. Torch's page-locked allocator keeps the buffer until
+    the copy is made."""
+    rows, width = len(slots), features[0].shape[1]
+    longs_bytes = 2 * rows * 8
+    host = torch.empty(longs_bytes + rows * width * dtype.itemsize, dtype=torch.uint8, pin_memory=True)
+    longs = host[:longs_bytes].view(torch.long).numpy()
+    longs[:rows], longs[rows:] = slots, positions
+    torch.cat(features, out=host[longs_bytes:].view(dtype).view(rows, width))
+    moved = host.to(device, non_blocking=True)
+    on_device = moved[:longs_bytes].view(torch.long)
+    return on_device[:rows], on_device[rows:], moved[longs_bytes:].view(dtype).view(rows, width)
+
+
 # Context tokens the drafter's pool holds over all requests, unless told (per token: 2 x layers x kv heads x
 # head_dim values, about 1.5 KB for the shipped SmolLM2 drafter in bfloat16).
 DEFAULT_CONTEXT_TOKENS = {"cpu": 32768, "cuda": 262144}
@@ -461,8 +478,12 @@ class DFlashDrafter:
         parts = [part for context in contexts for part in self._take_unwritten(context)]
         if parts:
             slots, positions, features = zip(*parts)
-            self.model.write_context(self.pool, torch.from_numpy(np.concatenate(slots)),
-                                     torch.from_numpy(np.concatenate(positions)), torch.cat(features), self.kernels)
+            slots, positions = np.concatenate(slots), np.concatenate(positions)
+            if self.kernels and all(part.device.type == "cpu" for part in features):
+                rows = rows_to_gpu(slots, positions, features, self.model.dtype, self.model.device)
+            else:
+                rows = torch.from_numpy(slots), torch.from_numpy(positions), torch.cat(features)
+            self.model.write_context(self.pool, *rows, self.kernels)
 
     def _take_unwritten(self, context: DFlashRequest) -> list[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
         parts, context.unwritten = context.unwritten, []
