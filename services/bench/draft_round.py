@@ -19,7 +19,6 @@ runs while the device does. Medians over --rounds rounds after --warm-up.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import random
 import statistics
 import sys
@@ -120,7 +119,9 @@ def drafted_trees(budget: int, vocab: int, seed: int) -> dict[int, tuple[list[in
     positions = 15
     log_probs = torch.log_softmax(torch.randn(1, positions, 4 * budget + 4, generator=generator) * 3, -1)
     top = log_probs.topk(max(budget, 1), dim=-1)
-    token_ids = (torch.randint(vocab, (1, positions, 1), generator=generator) + 7919 * torch.arange(max(budget, 1))) % vocab
+    # Distinct tokens at each position, as a position's top-k are: a random start, then steps of a prime.
+    starts = torch.randint(vocab, (1, positions, 1), generator=generator)
+    token_ids = (starts + 7919 * torch.arange(max(budget, 1))) % vocab
     found = {}
     for nodes in range(budget + 1):
         tree = ddtree_trees(torch.zeros(1, dtype=torch.long), top.values, token_ids, [nodes])[0]

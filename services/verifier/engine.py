@@ -271,7 +271,7 @@ class FeatureBacklog:
         if not rows.is_cuda:
             return rows.clone()
         host = rows.to("cpu", non_blocking=True)
-        if self.copy_event is None:  # (one, recorded again by each copy: as HostPicks.copy_event)
+        if self.copy_event is None:  # (one, recorded again by each copy: as HostPicks.copy_events)
             self.copy_event = torch.cuda.Event()
         self.copied = self.copy_event
         self.copied.record()
@@ -414,20 +414,21 @@ class HostPicks:
     """A round's picks (pick_round) on their way to the host in one copy, into page-locked memory from a GPU so
     that launching it does not wait: a caller that waits for the device anyway (`copied`) finds them there."""
 
-    # One event for every round's copy, recorded again by each: a later record would only make a wait for an
-    # earlier copy longer, never shorter (one stream), and an event made and destroyed each round is two driver
+    # One event a device for every round's copy, recorded again by each: a later record would only make a wait for
+    # an earlier copy longer, never shorter (one stream), and an event made and destroyed each round is two driver
     # calls on the round's path.
-    copy_event: torch.cuda.Event | None = None
+    copy_events: dict[int, torch.cuda.Event] = {}
 
     def __init__(self, picks: list[torch.Tensor]):
         self.sizes = [len(pick) for pick in picks]
         flat = torch.cat(picks)
         self.copied: torch.cuda.Event | None = None
         if flat.is_cuda:
+            device = flat.device.index
             flat = flat.to("cpu", non_blocking=True)
-            if HostPicks.copy_event is None:
-                HostPicks.copy_event = torch.cuda.Event()
-            self.copied = HostPicks.copy_event
+            if device not in HostPicks.copy_events:
+                HostPicks.copy_events[device] = torch.cuda.Event()
+            self.copied = HostPicks.copy_events[device]
             self.copied.record()
         self.flat = flat
 
