@@ -100,8 +100,8 @@ def test_a_runner_stages_every_forward_as_staging_anew_does():
 
 def test_a_staging_buffer_is_refilled_without_a_wait_once_its_copies_are_settled():
     """On a GPU a runner waits, before refilling a staging buffer, for the copy out of it queued two forwards back,
-    unless its caller has since waited for the device past that copy (`settled`): then it refills at once. (The
-    events are stand-ins that count the waits.)"""
+    unless its owner has since waited for the device past that copy (StagingEvents.settled): then it refills at
+    once. (The events are stand-ins that count the waits.)"""
     model = random_target("llama")
     pool = PagedKVCache(model.config, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
     runner = PagedRunner(pool, lambda rows: (torch.zeros(rows.tokens.shape[0], 1),), max_batch=2, row_buckets=[4],
@@ -117,30 +117,31 @@ def test_a_staging_buffer_is_refilled_without_a_wait_once_its_copies_are_settled
         def synchronize(self):
             self.waits += 1
 
-    runner.staging_copied = [CountedEvent(), CountedEvent()]
+    copies = runner.staging_copies
+    copies.events = [CountedEvent(), CountedEvent()]
 
     def forward():
         runner.run(*requests_in(pool, [3, 5], [4, 2], seed=0))
 
     def waits():
-        return sum(event.waits for event in runner.staging_copied)
+        return sum(event.waits for event in copies.events)
 
     forward(), forward()
     assert waits() == 0  # each buffer's first use: nothing copied out of it yet
     forward()
     assert waits() == 1  # the first buffer again: its copy may still be under way
-    runner.settled()
+    copies.settled()
     forward(), forward()
     assert waits() == 1  # both buffers' copies were settled
-    copies = runner.copies_queued
+    queued = copies.queued
     forward()
     assert waits() == 2  # the first buffer's copy was queued after the settling
-    runner.settled(copies)  # up to before the last forward: the second buffer is refilled at once, the first not
+    copies.settled(queued)  # up to before the last forward: the second buffer is refilled at once, the first not
     forward()
     assert waits() == 2
     forward()
     assert waits() == 3
-    assert sum(event.recorded for event in runner.staging_copied) == 8
+    assert sum(event.recorded for event in copies.events) == 8
 
 
 @pytest.mark.parametrize("sizes", [[33], [5, 9, 17], [1, 17, 1, 5, 33, 2], [129, 1, 40], [1, 1, 3]])

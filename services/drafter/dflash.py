@@ -571,6 +571,6 @@ class DFlashDrafter:
             packed = self._trees(log_probs, self.width_for(max(chunk_budgets)))[:len(chunk)].tolist()
             # (reading the trees back waited for the device: every copy in before them has been made)
             self.inputs.settled()
-            self.runner.settled()
+            self.runner.staging_copies.settled()
             trees += unpack_trees([context.tokens[-1] for context in chunk], packed)
         return trees

@@ -205,9 +205,11 @@ class TargetRunner:
             if self.verifier.pool.data.device.type != "cuda" or self.verifier.mirror is not None:
                 return await asyncio.get_running_loop().run_in_executor(self.compute, forward_and_picks, *args)
             logits, features, picks = launch_forward_and_picks(*args)
-            copies = self.verifier.runner.copies_queued
+            staged, moved = self.verifier.runner.staging_copies, self.verifier.pool.move_copies
+            copies = staged.queued, moved.queued
             await wait_for_device(picks.copied)
-            self.verifier.runner.settled(copies)  # (queued before the picks: made)
+            staged.settled(copies[0])  # (queued before the picks: made)
+            moved.settled(copies[1])
             return logits, features, picks.lists()
         finally:
             self.in_flight = False

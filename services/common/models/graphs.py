@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from treeserve.errors import TreeserveError
-from treeserve.models.paged_kv import PagedInputs, PagedKVCache, PagedSequence
+from treeserve.models.paged_kv import PagedInputs, PagedKVCache, PagedSequence, StagingEvents
 from treeserve.tree import TreeShape
 
 
@@ -304,14 +304,8 @@ class PagedRunner:
         # Host buffers that forwards up to the maxima are staged in (`_staging`), used in turn, and on a GPU
         # each one's event that the copies out of it have finished.
         self.staging: list[TreeRows] = []
-        self.staging_copied = ([torch.cuda.Event() for _ in range(self.STAGING_BUFFERS)]
-                               if self.device.type == "cuda" else None)
+        self.staging_copies = StagingEvents(self.STAGING_BUFFERS, self.device.type == "cuda")
         self.staged_in = 0  # the buffers the last forward was staged in
-        # Copies out of the staging buffers queued so far, each buffer's last one's number, and how many the device
-        # is known to have made (`settled`): a buffer whose last copy is among those is reused without a wait.
-        self.copies_queued = 0
-        self.last_copy = [0] * self.STAGING_BUFFERS
-        self.copies_settled = 0
         # Made once, not per forward: each buffer set's StagingView of a (batch, rows), each bucket's views of the
         # static inputs and of its graph's outputs, and the bucket each (batch, rows) replays (the last three
         # forgotten when the graphs are captured again).
@@ -411,8 +405,7 @@ class PagedRunner:
             self.staging = [padded_rows(self.max_batch, self.max_rows, self.table_width, pin=self.device.type == "cuda")
                             for _ in range(self.STAGING_BUFFERS)]
         self.staged_in = (self.staged_in + 1) % self.STAGING_BUFFERS
-        if self.staging_copied is not None and self.last_copy[self.staged_in] > self.copies_settled:
-            self.staging_copied[self.staged_in].synchronize()
+        self.staging_copies.wait(self.staged_in)
         view = self.staging_views.get((self.staged_in, batch, rows))
         if view is None:
             if len(self.staging_views) >= self.STAGING_VIEWS:  # eagerly, any (batch, rows) up to the maxima comes
@@ -452,12 +445,4 @@ class PagedRunner:
 
     def _copied(self) -> None:
         """Mark (on a GPU) where the copies out of the last staging buffers end in the stream."""
-        if self.staging_copied is not None:
-            self.staging_copied[self.staged_in].record()
-            self.copies_queued += 1
-            self.last_copy[self.staged_in] = self.copies_queued
-
-    def settled(self, copies: int | None = None) -> None:
-        """The device has made the first `copies` copies out of the staging buffers (default: every one queued so
-        far), as its caller has waited for work queued after them: their buffers are refilled without a wait."""
-        self.copies_settled = max(self.copies_settled, self.copies_queued if copies is None else copies)
+        self.staging_copies.copied(self.staged_in)

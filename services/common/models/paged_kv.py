@@ -40,6 +40,36 @@ class BlockAllocator:
         self.free_blocks.extend(reversed(blocks))
 
 
+class StagingEvents:
+    """For page-locked host buffers used in turn to stage copies to a GPU: each buffer's event, recorded after
+    its last copy, which must be made before the host refills it. The host waits on it only where its owner has
+    not since waited for the device past that copy (`settled`): a round that reads its results back has, so in
+    steady rounds the buffers are refilled without a driver call. Off a GPU, nothing to wait for."""
+
+    def __init__(self, buffers: int, on_gpu: bool):
+        self.events = [torch.cuda.Event() for _ in range(buffers)] if on_gpu else None
+        self.queued = 0  # copies recorded so far
+        self.last = [0] * buffers  # each buffer's last copy's number
+        self.made = 0  # copies known to be made
+
+    def wait(self, buffer: int) -> None:
+        """Before refilling `buffer`: its last copy made."""
+        if self.events is not None and self.last[buffer] > self.made:
+            self.events[buffer].synchronize()
+
+    def copied(self, buffer: int) -> None:
+        """A copy out of `buffer` was queued."""
+        if self.events is not None:
+            self.events[buffer].record()
+            self.queued += 1
+            self.last[buffer] = self.queued
+
+    def settled(self, copies: int | None = None) -> None:
+        """The device has made the first `copies` copies (default: every one queued so far): its owner waited for
+        work queued after them."""
+        self.made = max(self.made, self.queued if copies is None else copies)
+
+
 def _slot_tensor(slots: list[int]) -> torch.Tensor:
     """Slot numbers as an int64 tensor (through NumPy: torch.tensor of a list costs several times more)."""
     return torch.from_numpy(np.array(slots, dtype=np.int64))
@@ -68,10 +98,10 @@ class PagedKVCache:
         self.recorded_moves: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.deferred_moves: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # inside `moves_together`
         self.held_moves: list[tuple[list[int] | torch.Tensor, list[int] | torch.Tensor]] = []  # moves_together(hold)
-        # On a GPU, page-locked buffers that moves' slot numbers are staged in, in turn (grown as needed), and each
-        # one's event that the copy out of it has ended.
+        # On a GPU, page-locked buffers that moves' slot numbers are staged in, in turn (grown as needed), and the
+        # events of the copies out of them.
         self.move_staging: list[torch.Tensor | None] = [None, None]
-        self.move_copied = [torch.cuda.Event() for _ in self.move_staging] if self.data.is_cuda else []
+        self.move_copies = StagingEvents(len(self.move_staging), self.data.is_cuda)
         self.move_turn = 0
 
     def move(self, source: torch.Tensor | list[int], target: torch.Tensor | list[int]) -> None:
@@ -108,10 +138,10 @@ class PagedKVCache:
             staging = self.move_staging[self.move_turn] = torch.empty(max(2 * count, 4096), dtype=torch.long,
                                                                       pin_memory=True)
         else:
-            self.move_copied[self.move_turn].synchronize()  # (its copy was queued a move back: long done)
+            self.move_copies.wait(self.move_turn)  # (its copy was queued a move back: long done)
         staging[:count], staging[count:2 * count] = source, target
         on_device = staging[:2 * count].to(self.data.device, non_blocking=True)
-        self.move_copied[self.move_turn].record()
+        self.move_copies.copied(self.move_turn)
         return on_device[:count], on_device[count:]
 
     @property
