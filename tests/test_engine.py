@@ -331,6 +331,55 @@ def test_prepared_features_are_copied_at_launch_and_moved_when_due(device):
     assert torch.cat(keeping.chunks).tolist() == expected
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_plain_rounds_of_requests_that_keep_features_are_piled_whole(device):
+    """Plain rounds whose requests all keep features (adaptive speculation between trees): each request's root is
+    row i of the output, piled as one round; rounds of the same requests are grouped in one stack for all of them,
+    and a stretch that changes its requests or meets a tree round still gives each request its own rows in order."""
+    from treeserve.verifier.engine import FeatureBacklog, TargetFeatures
+    from treeserve.verifier.rows import Rows
+
+    a, b, c = (TargetFeatures((0,), keep=True) for _ in range(3))
+    backlog = FeatureBacklog()
+    output = torch.empty(8, 2, device=device)  # a forward's outputs, overwritten every round
+    expected = {id(a): [], id(b): [], id(c): []}
+    number = 0
+
+    def plain_round(*requests):
+        nonlocal number
+        number += 1
+        output.copy_(torch.arange(16, dtype=torch.float32, device=device).view(8, 2) + 100 * number)
+        features = backlog.prepare([Rows(output, range(i, i + 1)) for i in range(len(requests))],
+                                   [True] * len(requests))
+        for request, rows in zip(requests, features):
+            expected[id(request)] += output[rows.index].tolist()
+        output.fill_(-1)  # the next replay, before this round's commit
+        for request, rows in zip(requests, features):
+            request.take(rows, [0])
+        backlog.add(list(requests))
+
+    for _ in range(3):
+        plain_round(a, b, c)
+    assert len(backlog.kept) == 3  # one entry a round, not one a request
+    backlog.flush()
+    assert [chunk.shape[0] for chunk in a.chunks] == [3]
+    assert a.chunks[0]._base is not None and a.chunks[0]._base is c.chunks[0]._base  # one grouping for all
+    plain_round(a, b, c)
+    plain_round(c, a)  # b left, the rest reordered
+    number += 1
+    output.copy_(torch.arange(16, dtype=torch.float32, device=device).view(8, 2) + 100 * number)
+    for request, index in ((a, [1, 3]), (c, range(5, 7))):  # a tree round: accepted nodes, a run
+        request.last = Rows(output, index)
+        expected[id(request)] += output[list(index)].tolist()
+    backlog.add([a, c])
+    plain_round(a, c)
+    backlog.flush()
+    for request in (a, b, c):
+        assert all(chunk.device.type == "cpu" for chunk in request.chunks)
+        assert torch.cat(request.chunks).tolist() == expected[id(request)]
+
+
 def test_kept_features_flushed_every_round_are_each_requests_own_rows():
     """FeatureBacklog flushed after every round, as drafting rounds flush it: each request's rows of that round
     (one run, or scattered accepted nodes; in order together, or not), whatever the next round writes."""

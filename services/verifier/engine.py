@@ -199,7 +199,11 @@ class FeatureBacklog:
     Draft message: `flush` groups rows already on the host. (`add` copies the same way for callers without
     `prepare`.) A request's chunks are views of one grouping for many requests, which stays allocated while any of
     them holds a view: every JOIN_CHUNKS groupings, a request's newest views are joined into a tensor of its own,
-    so a long request does not hold the page-locked memory of every round it was in."""
+    so a long request does not hold the page-locked memory of every round it was in.
+
+    A plain round of requests that all keep features (adaptive speculation between trees) is piled whole, without
+    a step per request: each request's root is row i of one output (`_one_row_each`), and rounds of the same
+    requests are grouped in one stack."""
 
     FLUSH_ROUNDS, FLUSH_BYTES, JOIN_CHUNKS = 32, 64 << 20, 8
     # Without `prepare`, `add` flushes the pile itself, at this many times the bounds: a backstop for its other
@@ -210,8 +214,9 @@ class FeatureBacklog:
     def __init__(self):
         self.copies: list[torch.Tensor] = []  # each round's copied rows, one run of each source's
         self.piled_rows = 0  # rows in `copies`
-        # (a request's features, its kept rows of one round: a range or a list of row numbers in the piled copies)
-        self.kept: list[tuple[TargetFeatures, range | list[int]]] = []
+        # (a request's features, its kept rows of one round: a range or a list of row numbers in the piled copies),
+        # or a plain round's requests, whole
+        self.kept: list[tuple[TargetFeatures, range | list[int]] | PlainRound] = []
         self.rounds = self.bytes = 0
         self.copied: torch.cuda.Event | None = None  # where the last copy to the host ends, while one may run
         self.copy_event: torch.cuda.Event | None = None  # the event `copied` is, made once
@@ -225,6 +230,11 @@ class FeatureBacklog:
         if self.rounds >= self.FLUSH_ROUNDS or self.bytes >= self.FLUSH_BYTES:
             self.flush()
         self.launch_copies = []
+        roots = _one_row_each(features) if all(keeps) else None
+        if roots is not None:  # a plain round's: one copy, the rows' indexes as they are
+            copy = self._host_copy(roots)
+            self.launch_copies.append(copy)
+            return [Rows(copy, rows.index) for rows in features]
         spans = _spans_of_sources([rows for rows, keep in zip(features, keeps) if keep and rows is not None])
         if not spans:
             return features
@@ -246,6 +256,12 @@ class FeatureBacklog:
         by index here would make an index and page-lock it in every round."""
         if not requests:
             return
+        roots = _one_row_each([features.last for features in requests])
+        if roots is not None:
+            copied = any(requests[0].last.source is copy for copy in self.launch_copies)
+            self.kept.append(PlainRound(requests, self.piled_rows))
+            self._pile(roots if copied else self._host_copy(roots))
+            return
         spans = _spans_of_sources([features.last for features in requests])
         shift = {}  # id(source) -> what turns its row numbers into row numbers of the piled copies
         for key, (source, first, end) in spans.items():
@@ -261,6 +277,18 @@ class FeatureBacklog:
             self.kept.append((features, _shifted(index, by)))
         self.rounds += 1
         self.launch_copies = []
+        self._backstop()
+
+    def _pile(self, rows: torch.Tensor) -> None:
+        """A plain round's copied rows, piled as one round."""
+        self.copies.append(rows)
+        self.piled_rows += len(rows)
+        self.bytes += rows.numel() * rows.element_size()
+        self.rounds += 1
+        self.launch_copies = []
+        self._backstop()
+
+    def _backstop(self) -> None:
         if self.rounds >= self.BACKSTOP * self.FLUSH_ROUNDS or self.bytes >= self.BACKSTOP * self.FLUSH_BYTES:
             self.flush()
 
@@ -286,8 +314,12 @@ class FeatureBacklog:
         if self.copied is not None:  # (normally long done: queued behind a forward whose picks were waited for)
             self.copied.synchronize()
             self.copied = None
-        requests, totals, grouped = self._grouped()
-        for features, chunk in zip(requests, grouped.split_with_sizes(totals)):
+        if self._plain_rounds_alike():  # each request's rows of every round, in one copy for all of them
+            requests, handed = self.kept[0].requests, torch.stack(self.copies, dim=1).unbind(0)
+        else:
+            requests, totals, grouped = self._grouped()
+            handed = grouped.split_with_sizes(totals)
+        for features, chunk in zip(requests, handed):
             chunks = features.chunks
             owned = next((i for i in range(len(chunks), 0, -1) if chunks[i - 1]._base is None), 0)
             if len(chunks) - owned >= self.JOIN_CHUNKS:  # earlier transfers' views: finished, joined
@@ -296,15 +328,22 @@ class FeatureBacklog:
         self.copies, self.kept = [], []
         self.piled_rows = self.rounds = self.bytes = 0
 
+    def _plain_rounds_alike(self) -> bool:
+        """Whether every piled round is a plain round of the same requests in the same order (each its own copy)."""
+        first = self.kept[0]
+        return (type(first) is PlainRound and len(self.copies) == len(self.kept)
+                and all(type(entry) is PlainRound and entry.requests == first.requests for entry in self.kept))
+
     def _grouped(self) -> tuple[list[TargetFeatures], list[int], torch.Tensor]:
         """The requests in `kept`, their row counts, and their rows one request after another (each request's in
         round order)."""
-        if len(self.kept) == 1 and is_run(self.kept[0][1]):  # one request's rows of one round, as a lone request's
-            features, index = self.kept[0]
+        kept = [pair for entry in self.kept for pair in (entry.pairs() if type(entry) is PlainRound else (entry,))]
+        if len(kept) == 1 and is_run(kept[0][1]):  # one request's rows of one round, as a lone request's
+            features, index = kept[0]
             return [features], [len(index)], self.copies[0][index.start:index.stop]
         ordinal: dict[int, int] = {}  # id(features) -> their place among this transfer's requests
         requests, owners, indexes = [], [], []
-        for features, index in self.kept:
+        for features, index in kept:
             if id(features) not in ordinal:
                 ordinal[id(features)] = len(requests)
                 requests.append(features)
@@ -336,6 +375,35 @@ class FeatureBacklog:
             grouped = select_rows(piled, order)
         totals = np.bincount(owners, weights=counts, minlength=len(requests)).astype(np.int64).tolist()
         return requests, totals, grouped
+
+
+class PlainRound:
+    """A plain round's kept rows in a FeatureBacklog: request i's root is row `first + i` of the piled copies."""
+
+    __slots__ = ("requests", "first")
+
+    def __init__(self, requests: list[TargetFeatures], first: int):
+        self.requests, self.first = requests, first
+
+    def pairs(self) -> list[tuple[TargetFeatures, range]]:
+        """As the backlog's other entries: (a request's features, its row)."""
+        return [(features, range(self.first + i, self.first + i + 1)) for i, features in enumerate(self.requests)]
+
+
+_ONE_ROW = [range(i, i + 1) for i in range(256)]  # row i alone, for every i up to the largest batch seen
+
+
+def _one_row_each(parts: list[Rows | None]) -> torch.Tensor | None:
+    """Where part i is row i of one output, for every i (a plain round's: each request's root, in plan order),
+    those rows of it; else None. Compared as lists, without a Python step per part."""
+    if not parts or None in parts:
+        return None
+    source, count = parts[0].source, len(parts)
+    while len(_ONE_ROW) < count:
+        _ONE_ROW.append(range(len(_ONE_ROW), len(_ONE_ROW) + 1))
+    if [rows.index for rows in parts] != _ONE_ROW[:count] or not all(rows.source is source for rows in parts):
+        return None
+    return source[:count]
 
 
 def _row_span(index: range | list[int]) -> tuple[int, int]:
