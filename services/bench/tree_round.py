@@ -12,11 +12,13 @@ checks, the KV kept, the features kept) and the emit (`emit`: the stream's messa
 Trees are DDTree trees (treeserve.drafter.trees.ddtree_trees) from random sorted log-probs of a DFlash block's
 positions, a new tree for every request and round, so that hardly two have one shape. The target's picks are
 drawn instead of computed: at each node of the walk, with probability --accept one of its children (its first,
-the drafter's likeliest, more often than the others), else a token none of them holds. Requests keep the target
-features of --feature-layers, as a verifier linked to a DFlash or merged drafter has them keep them.
+the drafter's likeliest, more often than the others), else a token none of them holds. In tree rounds requests
+keep the target features of --feature-layers, as a verifier linked to a DFlash or merged drafter has them keep
+them; with --plain-keeps, plain rounds keep them too, as adaptive speculation's requests do between trees (their
+rows piled round by round and moved to the requests every FeatureBacklog.FLUSH_ROUNDS rounds).
 
 Each figure is the median host microseconds of a phase over --rounds rounds after --warm-up rounds; `total` is
-the median of the rounds' sums.
+the median of the rounds' sums and `total_mean` their mean, which counts work done once every few rounds.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--feature-layers", default="1,14,27",
                         help="target layers whose features tree rounds keep, comma-separated, empty for none "
                              "(default %(default)s: the shipped SmolLM2 DFlash drafter's)")
+    parser.add_argument("--plain-keeps", action="store_true",
+                        help="plain rounds (budget 0) keep the features too, as adaptive speculation's requests do")
     parser.add_argument("--context", type=int, default=64, help="prompt tokens per request (default %(default)s)")
     parser.add_argument("--accept", type=float, default=0.8,
                         help="probability that the walk goes on at each node (default %(default)s)")
@@ -122,9 +126,8 @@ def picks(tree, rng: random.Random, accept: float, vocab: int) -> list[int]:
 def device_work_stubbed(verifier, feature_layer_ids: tuple[int, ...]):
     """Inside, the verifier's runner stages and loads every forward as it would for CUDA graphs, with replays that
     compute nothing (static inputs at the maxima, one "graph" per bucket whose outputs are preallocated), and the
-    pool's KV moves are made ready as on the CPU but not done (on a GPU, a kernel's work). The features are one
-    column a layer: what copies them is the same, and their bytes, copied on a GPU by the device, cost next to
-    nothing here."""
+    pool's KV moves are made ready as on the CPU but not done (on a GPU, a kernel's work). The features have their
+    real width (a hidden state a layer): the host copies them when it groups kept rows."""
     import torch
 
     from treeserve.models import paged_kv
@@ -132,9 +135,10 @@ def device_work_stubbed(verifier, feature_layer_ids: tuple[int, ...]):
 
     runner = verifier.runner
     runner.static = runner._allocate_static()
-    width = len(feature_layer_ids)
+    width = len(feature_layer_ids) * verifier.model.config.hidden_size
     for batch, rows in runner.buckets:
-        outputs = (torch.zeros(batch * rows, 1), torch.zeros(batch * rows, width) if width else None)
+        outputs = (torch.zeros(batch * rows, 1),
+                   torch.zeros(batch * rows, width, dtype=verifier.model.dtype) if width else None)
         runner.graphs[(batch, rows)] = CapturedGraph(types.SimpleNamespace(replay=lambda: None), outputs)
     runner.use_graphs = True
     verifier.captured_features = verifier.feature_layer_ids = tuple(feature_layer_ids)
@@ -158,7 +162,7 @@ def measure_cell(target, args, budget: int, batch: int) -> dict:
     total_rounds = args.warm_up + args.rounds
     # The prefill's token, every round's most, and one to spare: no request finishes before its rounds do.
     max_new = total_rounds * (min(budget, BLOCK_POSITIONS) + 1) + 2
-    layers = args.feature_layers if budget else ()
+    layers = args.feature_layers if budget or args.plain_keeps else ()
     verifier = build_verifier(model, batch, kv_cache_tokens=batch * (args.context + max_new + budget + 16))
     rng = random.Random(args.seed)
     generations = [Generation(model, target.tokenizer, [rng.randrange(cfg.vocab_size) for _ in range(args.context)],
@@ -177,6 +181,7 @@ def measure_cell(target, args, budget: int, batch: int) -> dict:
         for generation in generations:
             generation.release()
     us = {phase: round(statistics.median(values), 1) for phase, values in samples.items()}
+    us["total_mean"] = round(statistics.mean(samples["total"]), 1)
     return {"budget": budget, "batch": batch, "accepted_nodes": round(statistics.mean(accepted), 3), "us": us}
 
 
@@ -210,6 +215,7 @@ def timed_rounds(model, verifier, generations: list, backlog, trees: list, layer
         plans = [rounds.plan(ids[i], generation, found.get(ids[i])) for i, generation in enumerate(generations)]
         planned = time.perf_counter()
         logits, features = forward_batch(model, plans, layers, verifier)
+        features = backlog.prepare(features, [generation.features.keep for generation in generations])
         forwarded = time.perf_counter()
         choices = [picks(plan.tree, rng, args.accept, vocab) for plan in plans]  # the device's, not timed
         picked = time.perf_counter()
@@ -261,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     report = {"command": " ".join(["python -m treeserve.bench.tree_round", *args.argv]), "target": args.target,
               "device": "cpu", "dtype": args.dtype, "feature_layers": list(args.feature_layers),
+              "plain_keeps": args.plain_keeps,
               "accept": args.accept, "rounds": args.rounds, "rows": rows}
     print_report(report, args.out)
     return 0
