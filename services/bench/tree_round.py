@@ -15,7 +15,8 @@ drawn instead of computed: at each node of the walk, with probability --accept o
 the drafter's likeliest, more often than the others), else a token none of them holds. In tree rounds requests
 keep the target features of --feature-layers, as a verifier linked to a DFlash or merged drafter has them keep
 them; with --plain-keeps, plain rounds keep them too, as adaptive speculation's requests do between trees (their
-rows piled round by round and moved to the requests every FeatureBacklog.FLUSH_ROUNDS rounds).
+rows piled round by round and moved to the requests every FeatureBacklog.FLUSH_ROUNDS rounds, at their real
+width: that move is host work on a GPU too).
 
 Each figure is the median host microseconds of a phase over --rounds rounds after --warm-up rounds; `total` is
 the median of the rounds' sums and `total_mean` their mean, which counts work done once every few rounds.
@@ -123,11 +124,12 @@ def picks(tree, rng: random.Random, accept: float, vocab: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def device_work_stubbed(verifier, feature_layer_ids: tuple[int, ...]):
+def device_work_stubbed(verifier, feature_layer_ids: tuple[int, ...], real_width: bool):
     """Inside, the verifier's runner stages and loads every forward as it would for CUDA graphs, with replays that
     compute nothing (static inputs at the maxima, one "graph" per bucket whose outputs are preallocated), and the
-    pool's KV moves are made ready as on the CPU but not done (on a GPU, a kernel's work). The features have their
-    real width (a hidden state a layer): the host copies them when it groups kept rows."""
+    pool's KV moves are made ready as on the CPU but not done (on a GPU, a kernel's work). The features are one
+    column a layer, or with `real_width` a hidden state a layer: each round's copy of them is the device's on a
+    GPU (here a host copy, of every tree row), but handing out many rounds' rows at once copies them on the host."""
     import torch
 
     from treeserve.models import paged_kv
@@ -135,7 +137,7 @@ def device_work_stubbed(verifier, feature_layer_ids: tuple[int, ...]):
 
     runner = verifier.runner
     runner.static = runner._allocate_static()
-    width = len(feature_layer_ids) * verifier.model.config.hidden_size
+    width = len(feature_layer_ids) * (verifier.model.config.hidden_size if real_width else 1)
     for batch, rows in runner.buckets:
         outputs = (torch.zeros(batch * rows, 1),
                    torch.zeros(batch * rows, width, dtype=verifier.model.dtype) if width else None)
@@ -175,7 +177,9 @@ def measure_cell(target, args, budget: int, batch: int) -> dict:
             logits, features = forward_batch(model, plans, layers, verifier)
             commit_round(generations, plans, logits, features, backlog)
         trees = draft_trees(batch * total_rounds, budget, cfg.vocab_size, args.seed) if budget else []
-        with device_work_stubbed(verifier, layers), torch.inference_mode():
+        # Plain rounds' features at their real width: what they cost is mostly the host's copy as they are handed
+        # out, of few rows a round.
+        with device_work_stubbed(verifier, layers, real_width=budget == 0), torch.inference_mode():
             samples, accepted = timed_rounds(model, verifier, generations, backlog, trees, layers, rng, args)
     finally:
         for generation in generations:
