@@ -261,34 +261,29 @@ class FeatureBacklog:
             copied = any(requests[0].last.source is copy for copy in self.launch_copies)
             self.kept.append(PlainRound(requests, self.piled_rows))
             self._pile(roots if copied else self._host_copy(roots))
+            self._round_piled()
             return
         spans = _spans_of_sources([features.last for features in requests])
         shift = {}  # id(source) -> what turns its row numbers into row numbers of the piled copies
         for key, (source, first, end) in spans.items():
             shift[key] = self.piled_rows - first
             copied = any(source is copy for copy in self.launch_copies)
-            self.copies.append(source[first:end] if copied else self._host_copy(source[first:end]))
-            self.piled_rows += end - first
-            self.bytes += self.copies[-1].numel() * self.copies[-1].element_size()
+            self._pile(source[first:end] if copied else self._host_copy(source[first:end]))
         for features in requests:
             rows = features.last
             by = shift[id(rows.source)]
             index = rows.index
             self.kept.append((features, _shifted(index, by)))
-        self.rounds += 1
-        self.launch_copies = []
-        self._backstop()
+        self._round_piled()
 
     def _pile(self, rows: torch.Tensor) -> None:
-        """A plain round's copied rows, piled as one round."""
         self.copies.append(rows)
         self.piled_rows += len(rows)
         self.bytes += rows.numel() * rows.element_size()
+
+    def _round_piled(self) -> None:
         self.rounds += 1
         self.launch_copies = []
-        self._backstop()
-
-    def _backstop(self) -> None:
         if self.rounds >= self.BACKSTOP * self.FLUSH_ROUNDS or self.bytes >= self.BACKSTOP * self.FLUSH_BYTES:
             self.flush()
 
