@@ -19,6 +19,7 @@ runs while the device does. Medians over --rounds rounds after --warm-up.
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import sys
@@ -26,7 +27,7 @@ import time
 import types
 from pathlib import Path
 
-from treeserve.bench import print_report
+from treeserve.bench import host_work_rows, print_report
 from treeserve.errors import TreeserveError
 from treeserve.settings import OneLineErrorParser
 
@@ -211,21 +212,10 @@ def accepted(tree, rng: random.Random) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
-
-    from treeserve.loading import load_target
-
-    torch.set_num_threads(1)  # host work: a second intra-op thread only adds waits between threads
-    try:
-        target = load_target(args.target, "cpu", args.dtype)
-        rows = []
-        for kind in args.drafters:
-            for batch in args.batches:
-                rows.append(measure_cell(target, kind, batch, args))
-                print(f"draft_round: {kind}, batch {batch}: " + ", ".join(
-                    f"{phase} {us:.1f}" for phase, us in rows[-1]["us"].items()) + " us", file=sys.stderr, flush=True)
-    except TreeserveError as error:
-        print(f"draft_round: error: {error}", file=sys.stderr)
+    rows = host_work_rows("draft_round", args.target, args.dtype, [
+        (f"{kind}, batch {batch}", functools.partial(measure_cell, kind=kind, batch=batch, args=args))
+        for kind in args.drafters for batch in args.batches])
+    if rows is None:
         return 1
     report = {"command": " ".join(["python -m treeserve.bench.draft_round", *args.argv]), "target": args.target,
               "device": "cpu", "dtype": args.dtype, "budget": args.budget, "context": args.context,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import random
 import statistics
 import sys
@@ -34,7 +35,7 @@ import time
 import types
 from pathlib import Path
 
-from treeserve.bench import print_report
+from treeserve.bench import host_work_rows, print_report
 from treeserve.errors import TreeserveError
 from treeserve.settings import OneLineErrorParser
 
@@ -253,21 +254,10 @@ def timed_rounds(model, verifier, generations: list, backlog, trees: list, layer
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
-
-    from treeserve.loading import load_target
-
-    torch.set_num_threads(1)  # host work: a second intra-op thread only adds waits between threads
-    try:
-        target = load_target(args.target, "cpu", args.dtype)
-        rows = []
-        for budget in args.budgets:
-            for batch in args.batches:
-                rows.append(measure_cell(target, args, budget, batch))
-                print(f"tree_round: budget {budget}, batch {batch}: " + ", ".join(
-                    f"{phase} {us:.1f}" for phase, us in rows[-1]["us"].items()) + " us", file=sys.stderr, flush=True)
-    except TreeserveError as error:
-        print(f"tree_round: error: {error}", file=sys.stderr)
+    rows = host_work_rows("tree_round", args.target, args.dtype, [
+        (f"budget {budget}, batch {batch}", functools.partial(measure_cell, args=args, budget=budget, batch=batch))
+        for budget in args.budgets for batch in args.batches])
+    if rows is None:
         return 1
     report = {"command": " ".join(["python -m treeserve.bench.tree_round", *args.argv]), "target": args.target,
               "device": "cpu", "dtype": args.dtype, "feature_layers": list(args.feature_layers),
