@@ -166,12 +166,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
         def answer(request: drafter_pb2.DraftRequest, region: MappedRegion | None = None) -> drafter_pb2.DraftResponse:
             started, held = time.perf_counter(), len(contexts)
-            trees = self.draft_round(request, contexts, dropped, region)
-            elapsed = time.perf_counter() - started
+            reply = drafter_pb2.DraftResponse(round=request.round)
+            self.draft_round(request, contexts, dropped, reply.trees, region)
+            reply.propose_seconds = elapsed = time.perf_counter() - started
             self.metrics.contexts.inc(len(contexts) - held)
             self.metrics.rounds.inc()
             self.metrics.propose_seconds.observe(elapsed)
-            return drafter_pb2.DraftResponse(round=request.round, trees=trees, propose_seconds=elapsed)
+            return reply
 
         try:
             yield answer
@@ -182,8 +183,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             self.metrics.streams.dec()
             self.metrics.contexts.dec(len(contexts))
 
-    def draft_round(self, request: drafter_pb2.DraftRequest, contexts: dict[str, DraftContext],
-                    dropped: set[str], region: MappedRegion | None = None) -> list[drafter_pb2.DraftTree]:
+    def draft_round(self, request: drafter_pb2.DraftRequest, contexts: dict[str, DraftContext], dropped: set[str],
+                    replies, region: MappedRegion | None = None) -> None:
+        """The round's trees, added to `replies` (a DraftResponse's trees: built in place, not built apart and
+        copied in)."""
         # Check every item before touching any context, so a rejected round leaves none half-updated.
         seen: set[str] = set()
         features = [self.check_item(item, contexts, dropped, seen, region) for item in request.items]
@@ -210,21 +213,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             if item.budget > 0:
                 asking.append((item, context))
         if not asking:
-            return []
+            return
         spans = self.start_spans([item for item, _ in asking])
         trees = self.propose(asking)
         self.metrics.trees.inc(len(trees))
         self.metrics.tree_nodes.inc(sum(tree.size - 1 for tree in trees))
-        replies = []
         for (item, context), tree in zip(asking, trees):
             if item.request_id in spans:
                 spans[item.request_id].set_attributes({
                     "treeserve.budget": item.budget, "treeserve.tree_nodes": tree.size - 1,
                     "treeserve.context_tokens": len(context.tokens), "treeserve.batch_size": len(asking)})
                 spans[item.request_id].end()
-            replies.append(drafter_pb2.DraftTree(request_id=item.request_id, token_ids=tree.tokens,
-                                                 parents=tree.parents, lookup_nodes=tree.lookup_nodes or 0))
-        return replies
+            replies.add(request_id=item.request_id, token_ids=tree.tokens, parents=tree.parents,
+                        lookup_nodes=tree.lookup_nodes or 0)
 
     def propose(self, asking: list[tuple[drafter_pb2.DraftItem, DraftContext]]) -> list[DraftTree]:
         """The items' trees, in order: the drafter's own, or prompt lookup's alone for those that ask for it."""
