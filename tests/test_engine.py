@@ -374,6 +374,13 @@ def test_plain_rounds_of_requests_that_keep_features_are_piled_whole(device):
         expected[id(request)] += output[list(index)].tolist()
     backlog.add([a, c])
     plain_round(a, c)
+    number += 1  # a plain round through `add` alone (no `prepare`): copied as it is piled
+    output.copy_(torch.arange(16, dtype=torch.float32, device=device).view(8, 2) + 100 * number)
+    for i, request in enumerate((a, c)):
+        request.last = Rows(output, range(i, i + 1))
+        expected[id(request)] += output[[i]].tolist()
+    backlog.add([a, c])
+    output.fill_(-1)
     backlog.flush()
     for request in (a, b, c):
         assert all(chunk.device.type == "cpu" for chunk in request.chunks)

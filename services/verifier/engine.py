@@ -258,17 +258,15 @@ class FeatureBacklog:
             return
         roots = _one_row_each([features.last for features in requests])
         if roots is not None:
-            copied = any(requests[0].last.source is copy for copy in self.launch_copies)
             self.kept.append(PlainRound(requests, self.piled_rows))
-            self._pile(roots if copied else self._host_copy(roots))
+            self._pile(requests[0].last.source, roots)
             self._round_piled()
             return
         spans = _spans_of_sources([features.last for features in requests])
         shift = {}  # id(source) -> what turns its row numbers into row numbers of the piled copies
         for key, (source, first, end) in spans.items():
             shift[key] = self.piled_rows - first
-            copied = any(source is copy for copy in self.launch_copies)
-            self._pile(source[first:end] if copied else self._host_copy(source[first:end]))
+            self._pile(source, source[first:end])
         for features in requests:
             rows = features.last
             by = shift[id(rows.source)]
@@ -276,7 +274,10 @@ class FeatureBacklog:
             self.kept.append((features, _shifted(index, by)))
         self._round_piled()
 
-    def _pile(self, rows: torch.Tensor) -> None:
+    def _pile(self, source: torch.Tensor, rows: torch.Tensor) -> None:
+        """These rows of `source`, piled: as they are where `source` is a copy `prepare` made, else copied."""
+        if not any(source is copy for copy in self.launch_copies):
+            rows = self._host_copy(rows)
         self.copies.append(rows)
         self.piled_rows += len(rows)
         self.bytes += rows.numel() * rows.element_size()
