@@ -37,12 +37,13 @@ def steps_of(tok) -> list[list[int]]:
 
 class FakeVerifier(verifier_pb2_grpc.VerifierServiceServicer):
     """Streams `steps` (the last one with the final message), optionally waiting for `gate` before the last,
-    or aborts with `error`. Records the requests, their deadlines and whether a stream was cancelled."""
+    or aborts with `error`, on the Session stream the gateway keeps. Records the requests and whether one was
+    cancelled."""
 
     def __init__(self, steps, gated=False, error=None, interval_s=0.0, max_context=MAX_CONTEXT):
         self.steps, self.error, self.interval_s, self.max_context = steps, error, interval_s, max_context
         self.gate = asyncio.Event() if gated else None
-        self.requests, self.time_remaining = [], []
+        self.requests = []
         self.cancelled = asyncio.Event()
 
     async def GetInfo(self, request, context):
@@ -50,11 +51,40 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServiceServicer):
                                                            max_context=self.max_context, eos_token_ids=[2], max_budget=32,
                                                            default_budget=16)
 
-    async def Generate(self, request, context):
+    async def Session(self, request_iterator, context):
+        """Each started request runs `replies` on its own; one message an update."""
+        outgoing, running = asyncio.Queue(), {}
+
+        async def run(request):
+            name = request.request_id
+            try:
+                async for message in self.replies(request):
+                    outgoing.put_nowait(verifier_pb2.VerifierServiceSessionResponse(
+                        updates=[verifier_pb2.SessionUpdate(request_id=name, response=message)]))
+            except Aborted as aborted:
+                outgoing.put_nowait(verifier_pb2.VerifierServiceSessionResponse(updates=[verifier_pb2.SessionUpdate(
+                    request_id=name, error_code=aborted.code.value[0], error_message=aborted.details)]))
+
+        async def read():
+            async for message in request_iterator:
+                if message.HasField("start"):
+                    running[message.start.request.request_id] = asyncio.ensure_future(run(message.start.request))
+                elif message.cancel in running:
+                    running.pop(message.cancel).cancel()
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while True:
+                yield await outgoing.get()
+        finally:
+            reader.cancel()
+            for task in running.values():
+                task.cancel()
+
+    async def replies(self, request):
         self.requests.append(request)
-        self.time_remaining.append(context.time_remaining())
         if self.error:
-            await context.abort(*self.error)
+            raise Aborted(*self.error)
         try:
             for step in self.steps[:-1]:
                 yield verifier_pb2.VerifierServiceGenerateResponse(token_ids=step)
@@ -72,6 +102,12 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServiceServicer):
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
+
+
+class Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
 
 
 @dataclasses.dataclass

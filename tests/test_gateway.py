@@ -247,17 +247,18 @@ def test_verifier_down_or_failing(tmp_path, tok, steps):
     assert results["internal"][0] == grpc.StatusCode.UNAVAILABLE and "INTERNAL: boom" in results["internal"][1]
 
 
-def test_deadline_reaches_the_verifier(tmp_path, tok, steps):
+def test_a_deadline_ends_the_request_and_its_verifier_work(tmp_path, tok, steps):
     async def main():
-        fake = FakeVerifier(steps)
+        fake = FakeVerifier(steps, gated=True)
         async with running(tmp_path, tok, [fake]) as h:
-            [r async for r in h.stub.Generate(request(), timeout=30)]
-            [r async for r in h.stub.Generate(request())]
-        return fake.time_remaining
+            late = await status_of(h.stub.Generate(request(), timeout=0.5))
+            await asyncio.wait_for(fake.cancelled.wait(), 5)
+            fake.gate.set()
+            replies = [r async for r in h.stub.Generate(request(), timeout=30)]
+        return late, replies
 
-    with_deadline, without = asyncio.run(main())
-    # Not above 30 s but for rounding: gRPC sends a deadline as a timeout of few digits, rounded up (30.1 s seen).
-    assert 20 < with_deadline <= 31 and without is None
+    (code, _), replies = asyncio.run(main())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and replies[-1].finish_reason
 
 
 def test_model_info_and_health(tmp_path, tok, steps):

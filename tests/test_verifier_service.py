@@ -259,6 +259,76 @@ def test_bad_requests_are_invalid_argument(tmp_path, target, message, text):
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and text in error.details()
 
 
+def start(name, prompt, max_new_tokens=24, **speculation):
+    message = request(prompt, max_new_tokens, **speculation)
+    message.request_id = name
+    return verifier_pb2.VerifierServiceSessionRequest(start=verifier_pb2.SessionStart(request=message))
+
+
+def test_a_session_carries_many_requests_one_message_a_round(tmp_path, target):
+    """A gateway's Session stream: each round's tokens for all of its requests in one message, every output the
+    target's own; a bad start is refused on its own, a cancel frees its request, the stream's end the rest."""
+    prompts = repetitive_prompts(4, seed=5)
+
+    async def main():
+        drafter = await start_drafter(tmp_path)
+        service, scheduler, task = await start_verifier(tmp_path, target, [drafter.address])
+        rounds = []
+        observe = scheduler._observe
+        scheduler._observe = lambda report, *rest: (rounds.append(report.forward_batch), observe(report, *rest))
+        outgoing = asyncio.Queue()
+
+        async def requests():
+            while (message := await outgoing.get()) is not None:
+                yield message
+
+        for i, prompt in enumerate(prompts):
+            outgoing.put_nowait(start(f"r{i}", prompt))
+        outgoing.put_nowait(start("r0", prompts[0]))  # already running on this stream
+        outgoing.put_nowait(start("bad", [], 8))
+        outgoing.put_nowait(start("doomed", prompts[0], 400))
+        outgoing.put_nowait(start("left", prompts[1], 400))
+        tokens, finals, errors, messages, in_a_message = {}, {}, {}, 0, []
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            call = verifier_pb2_grpc.VerifierServiceStub(channel).Session(requests())
+            async for message in call:
+                messages += 1
+                in_a_message.append(len(message.updates))
+                for update in message.updates:
+                    if update.error_code:
+                        errors.setdefault(update.request_id, []).append(
+                            (grpc.StatusCode.INVALID_ARGUMENT.value[0] == update.error_code, update.error_message))
+                        continue
+                    tokens.setdefault(update.request_id, []).extend(update.response.token_ids)
+                    if update.response.finish_reason:
+                        finals[update.request_id] = update.response
+                if update.request_id == "doomed" and "doomed" in tokens and len(tokens["doomed"]) >= 8:
+                    outgoing.put_nowait(verifier_pb2.VerifierServiceSessionRequest(cancel="doomed"))
+                if len(finals) == len(prompts):
+                    break
+            call.cancel()  # "left" is still running: the stream's end cancels it
+            for _ in range(200):
+                if not scheduler.running and not scheduler.waiting:
+                    break
+                await asyncio.sleep(0.01)
+            leftover = len(scheduler.running) + len(scheduler.waiting)
+        outgoing.put_nowait(None)
+        task.cancel()
+        await service.stop(0)
+        await drafter.stop(0)
+        return tokens, finals, errors, in_a_message, rounds, leftover, scheduler.verifier.pool.allocator
+
+    tokens, finals, errors, in_a_message, rounds, leftover, allocator = asyncio.run(main())
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"r{i}"] == expected(target, prompt) and finals[f"r{i}"].usage.completion_tokens == 24
+    assert errors["r0"] == [(True, "request 'r0' is already running on this stream")]
+    assert errors["bad"][0][0] and "empty" in errors["bad"][0][1]
+    assert "doomed" not in finals and "left" not in finals
+    # Rounds of several requests came as one message each, not one message a request.
+    assert max(in_a_message) >= 4 and len(in_a_message) < sum(rounds)
+    assert leftover == 0 and allocator.free_count == allocator.num_blocks
+
+
 async def start_adaptive_verifier(tmp_path, target, adaptive):
     """A verifier with one n-gram drafter (no target features) and `adaptive` speculation."""
     drafter = await start_drafter(tmp_path)

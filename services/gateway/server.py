@@ -81,6 +81,67 @@ def tolerant(message_class):
     return deserialize
 
 
+class VerifierFailed(Exception):
+    """How a verifier ended one request: the gRPC status it gave, or the session's failure."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class VerifierSession:
+    """This gateway's Session stream to one verifier, which carries all of its requests there: per round one
+    message with every request's tokens, where a stream a request would take a message each. Each request's
+    updates go to its own queue; when the stream fails, every request on it gets the failure."""
+
+    def __init__(self, stub: verifier_pb2_grpc.VerifierServiceStub):
+        self.outgoing: asyncio.Queue = asyncio.Queue()  # starts and cancels; None closes our side
+        self.call = stub.Session(self._requests())
+        self.queues: dict[str, asyncio.Queue] = {}  # request_id -> its updates (SessionUpdate or VerifierFailed)
+        self.failure: VerifierFailed | None = None
+        self.reader = asyncio.ensure_future(self._read())
+
+    async def _requests(self):
+        while (message := await self.outgoing.get()) is not None:
+            yield message
+
+    def start(self, request: verifier_pb2.VerifierServiceGenerateRequest, trace_context: dict[str, str]
+              ) -> asyncio.Queue:
+        queue = self.queues[request.request_id] = asyncio.Queue()
+        start = verifier_pb2.SessionStart(request=request, trace_context=trace_context)
+        self.outgoing.put_nowait(verifier_pb2.VerifierServiceSessionRequest(start=start))
+        return queue
+
+    def end(self, request_id: str, cancel: bool) -> None:
+        """The request is over here; with `cancel`, the verifier is told to end it too."""
+        if self.queues.pop(request_id, None) is not None and cancel and self.failure is None:
+            self.outgoing.put_nowait(verifier_pb2.VerifierServiceSessionRequest(cancel=request_id))
+
+    async def _read(self) -> None:
+        try:
+            async for message in self.call:
+                for update in message.updates:
+                    queue = self.queues.get(update.request_id)
+                    if queue is not None:
+                        queue.put_nowait(update)
+            failure = VerifierFailed(grpc.StatusCode.UNAVAILABLE, "the verifier ended the session")
+        except grpc.aio.AioRpcError as error:
+            failure = VerifierFailed(error.code(), error.details() or error.code().name)
+        except asyncio.CancelledError:
+            failure = VerifierFailed(grpc.StatusCode.UNAVAILABLE, "the gateway is closing")
+        self.failure = failure
+        for queue in self.queues.values():
+            queue.put_nowait(failure)
+        self.queues.clear()
+
+    def close(self) -> None:
+        self.call.cancel()
+        self.reader.cancel()
+
+
 class Verifier:
     """One verifier: its channel, its info once it answered GetInfo, and this gateway's requests on it."""
 
@@ -93,6 +154,17 @@ class Verifier:
         self.failed = False  # its last call found it unreachable
         self.last_pick = 0
         self.serving = False  # its own health says SERVING
+        self._session: VerifierSession | None = None
+
+    def session(self) -> VerifierSession:
+        """The Session stream, opened at the first request and again once it has failed."""
+        if self._session is None or self._session.failure is not None:
+            self._session = VerifierSession(self.stub)
+        return self._session
+
+    def close_session(self) -> None:
+        if self._session is not None:
+            self._session.close()
 
     async def fetch_info(self, timeout: float) -> None:
         try:
@@ -179,6 +251,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def close(self) -> None:
         for watcher in self.watchers:
             watcher.cancel()
+        for verifier in self.verifiers:
+            verifier.close_session()
         await asyncio.gather(*(v.channel.close() for v in self.verifiers))
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -297,52 +371,63 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             verifier_request, stream = await self._prepare(request)
             span.set_attributes({"treeserve.request_id": verifier_request.request_id,
                                  "treeserve.prompt_tokens": len(verifier_request.prompt_token_ids)})
-            trace_metadata = tuple(self.tracing.carrier(span).items())
+            trace_context = self.tracing.carrier(span)
             candidates = self._ranked()
             for attempt, verifier in enumerate(candidates):
                 verifier.inflight += 1
                 verifier.last_pick = next(self.picks)
-                call = verifier.stub.Generate(verifier_request, timeout=seconds_left(deadline),
-                                              metadata=trace_metadata)
-                replies, final = 0, None
+                session = verifier.session()
+                updates = session.start(verifier_request, trace_context)
+                replies, ended = 0, False
                 try:
-                    async for reply in call:
+                    while True:
+                        update = await (updates.get() if deadline is None
+                                        else asyncio.wait_for(updates.get(), seconds_left(deadline)))
+                        if isinstance(update, VerifierFailed):
+                            ended = True
+                            raise update
+                        if update.error_code:
+                            ended = True
+                            raise VerifierFailed(STATUS_CODES.get(update.error_code, grpc.StatusCode.UNKNOWN),
+                                                 update.error_message)
+                        reply = update.response
                         if replies == 0:
                             self.metrics.time_to_first_token.observe(time.perf_counter() - started)
                         replies += 1
-                        final = reply if reply.finish_reason else None
                         self.metrics.output_tokens.inc(len(reply.token_ids))
+                        ended = bool(reply.finish_reason)
                         yield self._response(reply, stream)
+                        if ended:
+                            break
                     verifier.failed = False
-                    if final is not None:
-                        elapsed = time.perf_counter() - started
-                        self.metrics.request_seconds.observe(elapsed)
-                        span.set_attributes({"treeserve.verifier": verifier.address,
-                                             "treeserve.completion_tokens": final.usage.completion_tokens,
-                                             "treeserve.mean_accepted": final.stats.mean_accepted})
-                        log.info("request %s: %d prompt + %d tokens on %s in %.2f s, %s",
-                                 verifier_request.request_id, final.usage.prompt_tokens, final.usage.completion_tokens,
-                                 verifier.address, elapsed, generation_pb2.FinishReason.Name(final.finish_reason))
-                        return
-                    status = (grpc.StatusCode.UNAVAILABLE,
-                              f"verifier {verifier.address} ended the stream without a final message")
-                except grpc.aio.AioRpcError as error:
-                    code = error.code()
+                    elapsed = time.perf_counter() - started
+                    self.metrics.request_seconds.observe(elapsed)
+                    span.set_attributes({"treeserve.verifier": verifier.address,
+                                         "treeserve.completion_tokens": reply.usage.completion_tokens,
+                                         "treeserve.mean_accepted": reply.stats.mean_accepted})
+                    log.info("request %s: %d prompt + %d tokens on %s in %.2f s, %s",
+                             verifier_request.request_id, reply.usage.prompt_tokens, reply.usage.completion_tokens,
+                             verifier.address, elapsed, generation_pb2.FinishReason.Name(reply.finish_reason))
+                    return
+                except VerifierFailed as error:
+                    code = error.code
                     verifier.failed = code == grpc.StatusCode.UNAVAILABLE
                     if replies == 0 and code in TRY_NEXT and attempt + 1 < len(candidates):
                         log.warning("verifier %s: %s: %s; trying the next one", verifier.address, code.name,
-                                    error.details())
+                                    error.details)
                         continue
                     if code in PASSED_THROUGH:
-                        status = (code, error.details() or code.name)
+                        status = (code, error.details or code.name)
                     else:
                         status = (grpc.StatusCode.UNAVAILABLE,
-                                  f"verifier {verifier.address} failed: {code.name}: {error.details()}")
+                                  f"verifier {verifier.address} failed: {code.name}: {error.details}")
+                except TimeoutError:
+                    status = (grpc.StatusCode.DEADLINE_EXCEEDED, f"the deadline passed after {replies} replies")
                 except (asyncio.CancelledError, GeneratorExit):  # the client cancelled, left or ran out of time
                     log.info("request %s: cancelled after %d replies", verifier_request.request_id, replies)
                     raise
                 finally:
-                    call.cancel()  # a no-op once the call is over; frees the verifier's work when the client left
+                    session.end(verifier_request.request_id, cancel=not ended)  # frees the verifier's work
                     verifier.inflight -= 1
                 log.warning("request %s: %s", verifier_request.request_id, status[1])
                 raise RequestFailed(*status)

@@ -33,10 +33,17 @@ from treeserve.wire import FINISH_REASONS
 log = logging.getLogger("treeserve.verifier")
 
 
+class Outbox(Protocol):
+    """Where a request's messages go: VerifierServiceGenerateResponse messages, or an Exception that ends it (an
+    asyncio.Queue that its Generate stream reads, or its Session stream's)."""
+
+    def put_nowait(self, message) -> None: ...
+
+
 @dataclasses.dataclass
 class Running:
     generation: Generation
-    outbox: asyncio.Queue  # VerifierServiceGenerateResponse messages, or an Exception to end the stream with
+    outbox: Outbox
     link: DrafterLink | None  # the drafter holding this request's context; None: no speculation
     span: trace.Span  # the request's span: its prefill and rounds are children
 

@@ -26,7 +26,7 @@ from treeserve.v1 import verifier_pb2, verifier_pb2_grpc
 from treeserve.verifier.drafter_link import DrafterLink
 from treeserve.verifier.engine import Generation
 from treeserve.verifier.graphs import TreeVerifier, build_verifier
-from treeserve.verifier.round import (FixedSpeculation, RequestReport, RoundReport, Running, Speculation,
+from treeserve.verifier.round import (FixedSpeculation, Outbox, RequestReport, RoundReport, Running, Speculation,
                                       TargetRunner, speculative_round)
 from treeserve.verifier.tensor_parallel import RankLost
 from treeserve.wire import params_from_proto
@@ -107,10 +107,10 @@ class Scheduler:
         promised = sum(self.blocks_promised(entry.generation) for entry in self.running.values())
         return promised + self.blocks_promised(generation) <= self.verifier.pool.allocator.num_blocks
 
-    def submit(self, request_id: str, generation: Generation,
-               span: trace.Span = trace.INVALID_SPAN) -> asyncio.Queue:
-        """Queue a request; one that could never fit the KV pool is refused (TreeserveError), and every request
-        once a tensor-parallel rank is gone (RankLost)."""
+    def submit(self, request_id: str, generation: Generation, span: trace.Span = trace.INVALID_SPAN,
+               outbox: Outbox | None = None) -> Outbox:
+        """Queue a request, its messages for `outbox` (default: a new queue); one that could never fit the KV pool
+        is refused (TreeserveError), and every request once a tensor-parallel rank is gone (RankLost)."""
         if self.lost is not None:
             raise self.lost
         if generation.kv_tokens_needed > self.pool_tokens:
@@ -118,9 +118,10 @@ class Scheduler:
                                  f"max_new_tokens + budget), and this verifier holds {self.pool_tokens}")
         speculate = generation.budget > 0 and bool(self.links)
         link = min(self.links, key=self._load) if speculate else None
-        self.waiting[request_id] = Running(generation, asyncio.Queue(), link, span)
+        outbox = asyncio.Queue() if outbox is None else outbox
+        self.waiting[request_id] = Running(generation, outbox, link, span)
         self.wake.set()
-        return self.waiting[request_id].outbox
+        return outbox
 
     def cancel(self, request_id: str) -> bool:
         """Free the request's KV blocks (once the forward in flight, if any, has ended) and tell its drafter and
@@ -331,9 +332,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                                    speculation, compute)
         return self.scheduler
 
-    async def Generate(self, request, context):
+    def start(self, request: verifier_pb2.VerifierServiceGenerateRequest, trace_parent,
+              outbox: Outbox | None = None) -> tuple[str, Outbox, trace.Span]:
+        """Check and queue a request, whichever RPC brought it (Refused where it cannot be served): its id on this
+        verifier, its outbox and its span (`trace_parent`: the caller's span context, or None)."""
         if self.scheduler is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is still loading its model")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "the verifier is still loading its model")
         try:
             params = params_from_proto(request.sampling, request.stop, self.default_max_new_tokens)
             requested = request.speculation.budget or self.default_budget
@@ -352,35 +356,51 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 budget = 0  # drafting does not pay at this load: plain decoding, without its bookkeeping
                 generation = generation_with(budget)
         except TreeserveError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         request_id = f"{request.request_id or 'request'}-{uuid.uuid4().hex[:8]}"
         span = self.tracing.tracer.start_span(
-            "verifier.generate", context=self.tracing.parent(context.invocation_metadata() or ()),
-            kind=trace.SpanKind.SERVER, attributes={"treeserve.request_id": request_id,
-                                                    "treeserve.prompt_tokens": len(request.prompt_token_ids),
-                                                    "treeserve.budget": budget})
+            "verifier.generate", context=trace_parent, kind=trace.SpanKind.SERVER,
+            attributes={"treeserve.request_id": request_id, "treeserve.prompt_tokens": len(request.prompt_token_ids),
+                        "treeserve.budget": budget})
         try:
-            outbox = self.scheduler.submit(request_id, generation, span)
+            return request_id, self.scheduler.submit(request_id, generation, span, outbox), span
         except TreeserveError as error:
             span.end()
             code = grpc.StatusCode.UNAVAILABLE if isinstance(error, RankLost) else grpc.StatusCode.INVALID_ARGUMENT
-            await context.abort(code, str(error))
+            raise Refused(code, str(error)) from None
+
+    def end(self, request_id: str, span: trace.Span) -> None:
+        """The request is over for its caller (finished, failed, cancelled or gone): free everything it held."""
+        if self.scheduler.cancel(request_id):
+            self.metrics.requests.labels(outcome="cancelled").inc()
+        span.end()
+
+    async def Generate(self, request, context):
+        try:
+            request_id, outbox, span = self.start(request, self.tracing.parent(context.invocation_metadata() or ()))
+        except Refused as refused:
+            await context.abort(refused.code, refused.message)
         try:
             while True:
                 message = await outbox.get()
-                if isinstance(message, RankLost):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"verifier going down: {message}")
                 if isinstance(message, Exception):
-                    await context.abort(grpc.StatusCode.INTERNAL, f"verification failed: {message}")
+                    await context.abort(*failure_status(message))
                 yield message
                 if message.finish_reason:
-                    span.set_attributes({"treeserve.completion_tokens": message.usage.completion_tokens,
-                                         "treeserve.mean_accepted": message.stats.mean_accepted})
+                    set_final_attributes(span, message)
                     return
-        finally:  # finished, failed, or the client went away: free everything the request held
-            if self.scheduler.cancel(request_id):
-                self.metrics.requests.labels(outcome="cancelled").inc()
-            span.end()
+        finally:  # finished, failed, or the client went away
+            self.end(request_id, span)
+
+    async def Session(self, request_iterator, context):
+        session = SessionStream(self)
+        reader = asyncio.ensure_future(session.read(request_iterator))
+        try:
+            while (message := await session.outgoing.get()) is not None:
+                yield message
+        finally:  # the caller ended the stream or went away: its requests still running end with it
+            reader.cancel()
+            session.close()
 
     async def GetInfo(self, request, context):
         if self.scheduler is None:
@@ -390,3 +410,117 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             model=self.name, vocab_size=cfg.vocab_size, max_context=cfg.max_context,
             eos_token_ids=sorted(self.target.tokenizer.eos_ids), max_budget=MAX_BUDGET,
             default_budget=self.default_budget, drafters=[link.address for link in self.links])
+
+
+class Refused(Exception):
+    """A request the verifier will not serve, with the gRPC status that says why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def failure_status(error: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status a request that the scheduler failed with `error` ends with."""
+    if isinstance(error, RankLost):
+        return grpc.StatusCode.UNAVAILABLE, f"verifier going down: {error}"
+    return grpc.StatusCode.INTERNAL, f"verification failed: {error}"
+
+
+def set_final_attributes(span: trace.Span, message: verifier_pb2.VerifierServiceGenerateResponse) -> None:
+    span.set_attributes({"treeserve.completion_tokens": message.usage.completion_tokens,
+                         "treeserve.mean_accepted": message.stats.mean_accepted})
+
+
+class SessionStream:
+    """One Session stream's requests. What the rounds put in their outboxes joins one message, sent when the loop
+    next runs its ready callbacks: after the round has emitted for every request, so a round makes one message for
+    the whole stream (one write, one read on the other side) where Generate makes one a request."""
+
+    def __init__(self, servicer: VerifierServicer):
+        self.servicer = servicer
+        self.requests: dict[str, tuple[str, trace.Span]] = {}  # the caller's request_id -> this verifier's, its span
+        self.outgoing: asyncio.Queue = asyncio.Queue()  # messages to send; None ends the stream
+        self.pending: verifier_pb2.VerifierServiceSessionResponse | None = None
+        self.reading = True
+
+    async def read(self, request_iterator) -> None:
+        """The caller's starts and cancels, until it closes its side (or the stream fails)."""
+        try:
+            async for message in request_iterator:
+                if message.HasField("start"):
+                    self.start(message.start)
+                elif message.cancel:
+                    self.cancel(message.cancel)
+        except grpc.aio.AioRpcError:  # the caller went away: Session's own end cancels its requests
+            pass
+        self.reading = False
+        if not self.requests and self.pending is None:
+            self.outgoing.put_nowait(None)
+
+    def start(self, start: verifier_pb2.SessionStart) -> None:
+        name = start.request.request_id
+        if not name or name in self.requests:
+            why = "a request on a Session stream needs a request_id" if not name else (
+                f"request {name!r} is already running on this stream")
+            self._error(name, grpc.StatusCode.INVALID_ARGUMENT, why)
+            return
+        outbox = SessionOutbox(self, name)
+        try:
+            request_id, _, span = self.servicer.start(start.request, self.servicer.tracing.parent(start.trace_context),
+                                                      outbox)
+        except Refused as refused:
+            self._error(name, refused.code, refused.message)
+            return
+        self.requests[name] = (request_id, span)
+
+    def _error(self, name: str, code: grpc.StatusCode, why: str) -> None:
+        update = self._update(name)
+        update.error_code, update.error_message = code.value[0], why
+
+    def cancel(self, name: str) -> None:
+        """The caller ends a request (one that has just ended is no longer here: nothing to do)."""
+        if name in self.requests:
+            self.servicer.end(*self.requests.pop(name))
+
+    def post(self, name: str, message) -> None:
+        """A request's message from the scheduler (an Exception: it failed), into the next message."""
+        if name not in self.requests:  # cancelled meanwhile
+            return
+        if isinstance(message, Exception):
+            self._error(name, *failure_status(message))
+        else:
+            self._update(name).response.CopyFrom(message)
+            if not message.finish_reason:
+                return
+            set_final_attributes(self.requests[name][1], message)
+        # Over: the scheduler lets a finished or failed request go itself, after the round.
+        self.requests.pop(name)[1].end()
+
+    def close(self) -> None:
+        for name in list(self.requests):
+            self.cancel(name)
+
+    def _update(self, name: str) -> verifier_pb2.SessionUpdate:
+        if self.pending is None:
+            self.pending = verifier_pb2.VerifierServiceSessionResponse()
+            asyncio.get_running_loop().call_soon(self._send)
+        return self.pending.updates.add(request_id=name)
+
+    def _send(self) -> None:
+        self.outgoing.put_nowait(self.pending)
+        self.pending = None
+        if not self.reading and not self.requests:
+            self.outgoing.put_nowait(None)
+
+
+class SessionOutbox:
+    """A Session request's outbox: what the scheduler puts in it goes to its stream's next message."""
+
+    __slots__ = ("session", "name")
+
+    def __init__(self, session: SessionStream, name: str):
+        self.session, self.name = session, name
+
+    def put_nowait(self, message) -> None:
+        self.session.post(self.name, message)

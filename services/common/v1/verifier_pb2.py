@@ -25,21 +25,33 @@ _sym_db = _symbol_database.Default()
 from treeserve.v1 import generation_pb2 as treeserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btreeserve/v1/verifier.proto\x12\x0ctreeserve.v1\x1a\x1dtreeserve/v1/generation.proto\"\xe0\x01\n\x1eVerifierServiceGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.treeserve.v1.SamplingParams\x12*\n\x04stop\x18\x04 \x01(\x0b\x32\x1c.treeserve.v1.StopConditions\x12\x34\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1f.treeserve.v1.SpeculationParams\"\xc8\x01\n\x1fVerifierServiceGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.treeserve.v1.FinishReason\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.treeserve.v1.Usage\x12-\n\x05stats\x18\x04 \x01(\x0b\x32\x1e.treeserve.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"\x1f\n\x1dVerifierServiceGetInfoRequest\"\xad\x01\n\x1eVerifierServiceGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nmax_budget\x18\x05 \x01(\r\x12\x16\n\x0e\x64\x65\x66\x61ult_budget\x18\x06 \x01(\r\x12\x10\n\x08\x64rafters\x18\x07 \x03(\t2\xe2\x01\n\x0fVerifierService\x12i\n\x08Generate\x12,.treeserve.v1.VerifierServiceGenerateRequest\x1a-.treeserve.v1.VerifierServiceGenerateResponse0\x01\x12\x64\n\x07GetInfo\x12+.treeserve.v1.VerifierServiceGetInfoRequest\x1a,.treeserve.v1.VerifierServiceGetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btreeserve/v1/verifier.proto\x12\x0ctreeserve.v1\x1a\x1dtreeserve/v1/generation.proto\"\xe0\x01\n\x1eVerifierServiceGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.treeserve.v1.SamplingParams\x12*\n\x04stop\x18\x04 \x01(\x0b\x32\x1c.treeserve.v1.StopConditions\x12\x34\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1f.treeserve.v1.SpeculationParams\"\xc8\x01\n\x1fVerifierServiceGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x31\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1a.treeserve.v1.FinishReason\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.treeserve.v1.Usage\x12-\n\x05stats\x18\x04 \x01(\x0b\x32\x1e.treeserve.v1.SpeculationStats\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"h\n\x1dVerifierServiceSessionRequest\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.treeserve.v1.SessionStartH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x61\x63tion\"\xc7\x01\n\x0cSessionStart\x12=\n\x07request\x18\x01 \x01(\x0b\x32,.treeserve.v1.VerifierServiceGenerateRequest\x12\x43\n\rtrace_context\x18\x02 \x03(\x0b\x32,.treeserve.v1.SessionStart.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"N\n\x1eVerifierServiceSessionResponse\x12,\n\x07updates\x18\x01 \x03(\x0b\x32\x1b.treeserve.v1.SessionUpdate\"\x8f\x01\n\rSessionUpdate\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12?\n\x08response\x18\x02 \x01(\x0b\x32-.treeserve.v1.VerifierServiceGenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\r\x12\x15\n\rerror_message\x18\x04 \x01(\t\"\x1f\n\x1dVerifierServiceGetInfoRequest\"\xad\x01\n\x1eVerifierServiceGetInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x12\n\nmax_budget\x18\x05 \x01(\r\x12\x16\n\x0e\x64\x65\x66\x61ult_budget\x18\x06 \x01(\r\x12\x10\n\x08\x64rafters\x18\x07 \x03(\t2\xcc\x02\n\x0fVerifierService\x12i\n\x08Generate\x12,.treeserve.v1.VerifierServiceGenerateRequest\x1a-.treeserve.v1.VerifierServiceGenerateResponse0\x01\x12h\n\x07Session\x12+.treeserve.v1.VerifierServiceSessionRequest\x1a,.treeserve.v1.VerifierServiceSessionResponse(\x01\x30\x01\x12\x64\n\x07GetInfo\x12+.treeserve.v1.VerifierServiceGetInfoRequest\x1a,.treeserve.v1.VerifierServiceGetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'treeserve.v1.verifier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SESSIONSTART_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_SESSIONSTART_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_VERIFIERSERVICEGENERATEREQUEST']._serialized_start=77
   _globals['_VERIFIERSERVICEGENERATEREQUEST']._serialized_end=301
   _globals['_VERIFIERSERVICEGENERATERESPONSE']._serialized_start=304
   _globals['_VERIFIERSERVICEGENERATERESPONSE']._serialized_end=504
-  _globals['_VERIFIERSERVICEGETINFOREQUEST']._serialized_start=506
-  _globals['_VERIFIERSERVICEGETINFOREQUEST']._serialized_end=537
-  _globals['_VERIFIERSERVICEGETINFORESPONSE']._serialized_start=540
-  _globals['_VERIFIERSERVICEGETINFORESPONSE']._serialized_end=713
-  _globals['_VERIFIERSERVICE']._serialized_start=716
-  _globals['_VERIFIERSERVICE']._serialized_end=942
+  _globals['_VERIFIERSERVICESESSIONREQUEST']._serialized_start=506
+  _globals['_VERIFIERSERVICESESSIONREQUEST']._serialized_end=610
+  _globals['_SESSIONSTART']._serialized_start=613
+  _globals['_SESSIONSTART']._serialized_end=812
+  _globals['_SESSIONSTART_TRACECONTEXTENTRY']._serialized_start=761
+  _globals['_SESSIONSTART_TRACECONTEXTENTRY']._serialized_end=812
+  _globals['_VERIFIERSERVICESESSIONRESPONSE']._serialized_start=814
+  _globals['_VERIFIERSERVICESESSIONRESPONSE']._serialized_end=892
+  _globals['_SESSIONUPDATE']._serialized_start=895
+  _globals['_SESSIONUPDATE']._serialized_end=1038
+  _globals['_VERIFIERSERVICEGETINFOREQUEST']._serialized_start=1040
+  _globals['_VERIFIERSERVICEGETINFOREQUEST']._serialized_end=1071
+  _globals['_VERIFIERSERVICEGETINFORESPONSE']._serialized_start=1074
+  _globals['_VERIFIERSERVICEGETINFORESPONSE']._serialized_end=1247
+  _globals['_VERIFIERSERVICE']._serialized_start=1250
+  _globals['_VERIFIERSERVICE']._serialized_end=1582
 # @@protoc_insertion_point(module_scope)

@@ -35,6 +35,47 @@ class VerifierServiceGenerateResponse(_message.Message):
     seed: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.SpeculationStats, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class VerifierServiceSessionRequest(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: SessionStart
+    cancel: str
+    def __init__(self, start: _Optional[_Union[SessionStart, _Mapping]] = ..., cancel: _Optional[str] = ...) -> None: ...
+
+class SessionStart(_message.Message):
+    __slots__ = ("request", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    request: VerifierServiceGenerateRequest
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request: _Optional[_Union[VerifierServiceGenerateRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class VerifierServiceSessionResponse(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[SessionUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[SessionUpdate, _Mapping]]] = ...) -> None: ...
+
+class SessionUpdate(_message.Message):
+    __slots__ = ("request_id", "response", "error_code", "error_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: VerifierServiceGenerateResponse
+    error_code: int
+    error_message: str
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[VerifierServiceGenerateResponse, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
 class VerifierServiceGetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -39,6 +39,11 @@ class VerifierServiceStub:
                 request_serializer=treeserve_dot_v1_dot_verifier__pb2.VerifierServiceGenerateRequest.SerializeToString,
                 response_deserializer=treeserve_dot_v1_dot_verifier__pb2.VerifierServiceGenerateResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/treeserve.v1.VerifierService/Session',
+                request_serializer=treeserve_dot_v1_dot_verifier__pb2.VerifierServiceSessionRequest.SerializeToString,
+                response_deserializer=treeserve_dot_v1_dot_verifier__pb2.VerifierServiceSessionResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/treeserve.v1.VerifierService/GetInfo',
                 request_serializer=treeserve_dot_v1_dot_verifier__pb2.VerifierServiceGetInfoRequest.SerializeToString,
@@ -51,6 +56,15 @@ class VerifierServiceServicer:
 
     def Generate(self, request, context):
         """Token ids in, token ids out: one message per round that committed tokens, then a final one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """Many requests on one stream, as a gateway sends them: requests and cancellations in; out, one message a round
+        with the news of every one of the stream's requests that round touched, where Generate sends one a request.
+        A request ends with its final message or an error; the stream's end cancels the requests still on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -69,6 +83,11 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=treeserve_dot_v1_dot_verifier__pb2.VerifierServiceGenerateRequest.FromString,
                     response_serializer=treeserve_dot_v1_dot_verifier__pb2.VerifierServiceGenerateResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=treeserve_dot_v1_dot_verifier__pb2.VerifierServiceSessionRequest.FromString,
+                    response_serializer=treeserve_dot_v1_dot_verifier__pb2.VerifierServiceSessionResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -103,6 +122,33 @@ class VerifierService:
             '/treeserve.v1.VerifierService/Generate',
             treeserve_dot_v1_dot_verifier__pb2.VerifierServiceGenerateRequest.SerializeToString,
             treeserve_dot_v1_dot_verifier__pb2.VerifierServiceGenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/treeserve.v1.VerifierService/Session',
+            treeserve_dot_v1_dot_verifier__pb2.VerifierServiceSessionRequest.SerializeToString,
+            treeserve_dot_v1_dot_verifier__pb2.VerifierServiceSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
