@@ -90,6 +90,7 @@ class VerifierFailed(Exception):
 
 
 STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+DEADLINE_PASSED = object()  # put in a request's updates when its deadline passes
 
 
 class VerifierSession:
@@ -378,11 +379,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 verifier.last_pick = next(self.picks)
                 session = verifier.session()
                 updates = session.start(verifier_request, trace_context)
+                timer = None if deadline is None else asyncio.get_running_loop().call_later(
+                    seconds_left(deadline), updates.put_nowait, DEADLINE_PASSED)
                 replies, ended = 0, False
                 try:
                     while True:
-                        update = await (updates.get() if deadline is None
-                                        else asyncio.wait_for(updates.get(), seconds_left(deadline)))
+                        update = await updates.get()
+                        if update is DEADLINE_PASSED:
+                            raise TimeoutError
                         if isinstance(update, VerifierFailed):
                             ended = True
                             raise update
@@ -429,6 +433,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 finally:
                     session.end(verifier_request.request_id, cancel=not ended)  # frees the verifier's work
                     verifier.inflight -= 1
+                    if timer is not None:
+                        timer.cancel()
                 log.warning("request %s: %s", verifier_request.request_id, status[1])
                 raise RequestFailed(*status)
         finally:
