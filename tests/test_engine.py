@@ -441,3 +441,47 @@ def test_committing_a_round_stops_where_checking_every_token_stops():
             assert mine._commit(tokens) == committed
             assert (mine.output_ids, mine.finish_reason) == (reference.output_ids, reference.finish_reason)
             assert mine.stops.text_end == reference.stops.text_end
+
+
+def test_a_stop_string_is_found_from_the_outputs_tail_as_from_its_whole_text():
+    """Stops decodes only the output's last tokens to look for a stop string the newest token completed: on
+    SmolLM2's byte-level tokenizer, with characters split between tokens and stop strings cut from the text at
+    random, every token's verdict and the cut text equal those of decoding the whole output each time."""
+    from gateway_fakes import smollm2_tokenizer
+    from treeserve.verifier.engine import Stops
+
+    tokenizer = smollm2_tokenizer()
+    rng = random.Random(11)
+    words = ["Hello", " 日本語", " 🙂", " world", "\n\n", " é", "ü", " stop", "STOP", " x", "  ", "\t"]
+
+    def whole_text_verdicts(output, stop_strings):
+        """The check as defined: the whole output decoded at every token."""
+        verdicts = []
+        for n in range(1, len(output) + 1):
+            text = tokenizer.decode(output[:n])
+            tail_start = max(0, len(tokenizer.decode(output[:n - 1])) - max(map(len, stop_strings)))
+            found = [i for s in stop_strings if (i := text.find(s, tail_start)) >= 0]
+            verdicts.append(min(found) if found else None)
+            if found:
+                break
+        return verdicts
+
+    matched = 0
+    for _ in range(60):
+        output = tokenizer.encode("".join(rng.choice(words) for _ in range(rng.randint(5, 40))),
+                                  add_special_tokens=False)
+        text = tokenizer.decode(output)
+        start = rng.randrange(len(text))
+        stop_strings = (text[start:start + rng.randint(1, 6)], rng.choice(["never there", "\n\n", "日本"]))
+        expected = whole_text_verdicts(output, stop_strings)
+        stops = Stops(tokenizer, GenerationParams(max_new_tokens=1000, stop_strings=stop_strings))
+        verdicts = []
+        for n in range(1, len(output) + 1):
+            stops.text_end = None
+            ended = stops.reason(output[:n]) == "stop"
+            verdicts.append(stops.text_end if ended else None)
+            if ended:
+                break
+        assert verdicts == expected, (output, stop_strings)
+        matched += expected[-1] is not None
+    assert matched >= 40  # most outputs met one of their stop strings

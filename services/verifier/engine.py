@@ -507,6 +507,11 @@ class HostPicks:
         return found
 
 
+# Characters the tail decoded for a stop-string check takes beyond the longest stop string: room for what a
+# tail's start may decode apart from the whole text (a character cut between tokens).
+TAIL_MARGIN_CHARS = 8
+
+
 class Stops:
     """Where a request's output ends (EOS or a stop token, a stop string, the length limit), and its text
     without what stopped it."""
@@ -523,7 +528,7 @@ class Stops:
         return "length" if len(output_ids) >= self.params.max_new_tokens else None
 
     def _stop_string_ended(self, output_ids: list[int]) -> bool:
-        if not self.params.stop_strings:
+        if not self.params.stop_strings or not self._in_tail(output_ids):
             return False
         text = self.tokenizer.decode(output_ids)
         # Only a match that the newest token completed can be new; search a tail long enough to hold one.
@@ -532,6 +537,20 @@ class Stops:
         if found:
             self.text_end = min(found)
         return bool(found)
+
+    def _in_tail(self, output_ids: list[int]) -> bool:
+        """Whether a stop string occurs in the text of the output's last few tokens, which a match the newest token
+        completed lies in: decoding only those keeps each token's check short, where the whole output's decode
+        grows with it. A tail's first characters may decode apart from the whole text's (a character cut between
+        tokens, a tokenizer's leading space), its end does not: the tail is taken a few characters longer than the
+        longest stop string needs."""
+        needed = max(map(len, self.params.stop_strings)) + TAIL_MARGIN_CHARS
+        tokens = needed
+        while True:
+            tail = self.tokenizer.decode(output_ids[-tokens:])
+            if len(tail) >= needed or tokens >= len(output_ids):
+                return any(stop in tail for stop in self.params.stop_strings)
+            tokens *= 2  # tokens of no text (special ones, parts of a character): look further back
 
     def text(self, output_ids: list[int], finish_reason: str | None) -> str:
         """The output's text, without a final stop token and cut before a matched stop string."""
