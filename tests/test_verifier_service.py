@@ -329,6 +329,51 @@ def test_a_session_carries_many_requests_one_message_a_round(tmp_path, target):
     assert leftover == 0 and allocator.free_count == allocator.num_blocks
 
 
+def test_a_draining_verifier_finishes_its_requests_and_refuses_new_ones(tmp_path, target):
+    """On SIGTERM the server stops taking calls, but a gateway's Session stream stays open through the drain: a
+    request started on it then is refused with UNAVAILABLE (the gateway takes it to another verifier), while one
+    already running finishes."""
+    prompts = repetitive_prompts(2, seed=6)
+
+    async def main():
+        servicer = VerifierServicer("tiny", [], default_budget=8, default_max_new_tokens=16, max_batch=4)
+        service = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
+        scheduler = servicer.attach(target, build_verifier(target.model, 4, False, 0, block_size=4))
+        task = asyncio.ensure_future(scheduler.run())
+        outgoing = asyncio.Queue()
+
+        async def requests():
+            while (message := await outgoing.get()) is not None:
+                yield message
+
+        outgoing.put_nowait(start("before", prompts[0], 40))
+        updates = {}
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            call = stub.Session(requests())
+            async for message in call:
+                for update in message.updates:
+                    updates.setdefault(update.request_id, []).append(update)
+                if "after" not in updates and len(updates["before"]) == 2:  # it is running: drain, then ask again
+                    servicer.drain()
+                    outgoing.put_nowait(start("after", prompts[1]))
+                if "after" in updates and updates["before"][-1].response.finish_reason:
+                    break
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await collect(stub, request(prompts[1]))
+            outgoing.put_nowait(None)
+        task.cancel()
+        await service.stop(0)
+        return updates, refused.value
+
+    updates, refused = asyncio.run(main())
+    tokens = [t for update in updates["before"] for t in update.response.token_ids]
+    assert tokens == expected(target, prompts[0], 40)
+    [after] = updates["after"]
+    assert after.error_code == grpc.StatusCode.UNAVAILABLE.value[0] and "shutting down" in after.error_message
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+
+
 async def start_adaptive_verifier(tmp_path, target, adaptive):
     """A verifier with one n-gram drafter (no target features) and `adaptive` speculation."""
     drafter = await start_drafter(tmp_path)

@@ -139,9 +139,11 @@ async def start(listen: str, register: Callable[[grpc.aio.Server], list[str]]) -
 
 
 async def run_until_signalled(service: Service, grace_s: float,
-                              on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING, stop accepting, let streams finish for grace_s (on the
-    gRPC server and the service's other `listeners`)."""
+                              on_stop: Callable[[], Awaitable[None]] | None = None,
+                              on_drain: Callable[[], None] | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then drain: NOT_SERVING, stop accepting (`on_drain()`: for work that comes on
+    streams already open), let streams finish for grace_s (on the gRPC server and the service's other
+    `listeners`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -150,6 +152,8 @@ async def run_until_signalled(service: Service, grace_s: float,
     await asyncio.wait([server_done, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     log.info("stopping: draining in-flight streams for up to %.0f s", grace_s)
     await service.stopping()
+    if on_drain is not None:
+        on_drain()
     await service.stop(grace_s)
     if on_stop is not None:
         await on_stop()

@@ -94,7 +94,7 @@ async def serve(args, shard=None, followers=()) -> None:
         if mirror is not None:
             mirror.close()
 
-    await serving.run_until_signalled(service, args.grace_s, stop)
+    await serving.run_until_signalled(service, args.grace_s, stop, on_drain=servicer.drain)
 
 
 def watch_followers(followers, scheduler, mirror) -> None:

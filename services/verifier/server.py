@@ -314,6 +314,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         self.tracing = tracing or Tracing.off()
         self.metrics = metrics or VerifierMetrics()
         self.scheduler: Scheduler | None = None  # set once the model is loaded
+        self.draining = False  # shutting down: the requests running finish, no new one starts
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         """For serving.start: add this servicer and name it for reflection."""
@@ -338,6 +339,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         verifier, its outbox and its span (`trace_parent`: the caller's span context, or None)."""
         if self.scheduler is None:
             raise Refused(grpc.StatusCode.UNAVAILABLE, "the verifier is still loading its model")
+        if self.draining:  # (a gateway's Session stream stays open while the server drains: refused here)
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down")
         try:
             params = params_from_proto(request.sampling, request.stop, self.default_max_new_tokens)
             requested = request.speculation.budget or self.default_budget
@@ -368,6 +371,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             span.end()
             code = grpc.StatusCode.UNAVAILABLE if isinstance(error, RankLost) else grpc.StatusCode.INVALID_ARGUMENT
             raise Refused(code, str(error)) from None
+
+    def drain(self) -> None:
+        """Shutting down: refuse new requests (UNAVAILABLE, so a gateway takes them to another verifier)."""
+        self.draining = True
 
     def end(self, request_id: str, span: trace.Span) -> None:
         """The request is over for its caller (finished, failed, cancelled or gone): free everything it held."""
