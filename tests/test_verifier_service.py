@@ -259,6 +259,12 @@ def test_bad_requests_are_invalid_argument(tmp_path, target, message, text):
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and text in error.details()
 
 
+async def until_none(queue: asyncio.Queue):
+    """A Session stream's messages, as they are put in `queue`, until None."""
+    while (message := await queue.get()) is not None:
+        yield message
+
+
 def start(name, prompt, max_new_tokens=24, **speculation):
     message = request(prompt, max_new_tokens, **speculation)
     message.request_id = name
@@ -277,11 +283,6 @@ def test_a_session_carries_many_requests_one_message_a_round(tmp_path, target):
         observe = scheduler._observe
         scheduler._observe = lambda report, *rest: (rounds.append(report.forward_batch), observe(report, *rest))
         outgoing = asyncio.Queue()
-
-        async def requests():
-            while (message := await outgoing.get()) is not None:
-                yield message
-
         for i, prompt in enumerate(prompts):
             outgoing.put_nowait(start(f"r{i}", prompt))
         outgoing.put_nowait(start("r0", prompts[0]))  # already running on this stream
@@ -290,7 +291,7 @@ def test_a_session_carries_many_requests_one_message_a_round(tmp_path, target):
         outgoing.put_nowait(start("left", prompts[1], 400))
         tokens, finals, errors, messages, in_a_message = {}, {}, {}, 0, []
         async with grpc.aio.insecure_channel(service.address) as channel:
-            call = verifier_pb2_grpc.VerifierServiceStub(channel).Session(requests())
+            call = verifier_pb2_grpc.VerifierServiceStub(channel).Session(until_none(outgoing))
             async for message in call:
                 messages += 1
                 in_a_message.append(len(message.updates))
@@ -341,16 +342,11 @@ def test_a_draining_verifier_finishes_its_requests_and_refuses_new_ones(tmp_path
         scheduler = servicer.attach(target, build_verifier(target.model, 4, False, 0, block_size=4))
         task = asyncio.ensure_future(scheduler.run())
         outgoing = asyncio.Queue()
-
-        async def requests():
-            while (message := await outgoing.get()) is not None:
-                yield message
-
         outgoing.put_nowait(start("before", prompts[0], 40))
         updates = {}
         async with grpc.aio.insecure_channel(service.address) as channel:
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
-            call = stub.Session(requests())
+            call = stub.Session(until_none(outgoing))
             async for message in call:
                 for update in message.updates:
                     updates.setdefault(update.request_id, []).append(update)
