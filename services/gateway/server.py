@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
 from treeserve.detokenize import TextStream
-from treeserve.errors import TreeserveError
+from treeserve.errors import RequestFailed, TreeserveError
 from treeserve.serving import Service, client_options, freeze_startup_objects, normalize_address, start
 from treeserve.telemetry import GatewayMetrics, Tracing
 from treeserve.tokenizer import Tokenizer
@@ -50,14 +50,6 @@ TRY_NEXT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 INLINE_TOKENIZE_CHARS = 4096
 HEALTH_RETRY_S = 0.5  # between attempts to watch an unreachable verifier's health
 CHAT_ROLES = ("system", "user", "assistant")
-
-
-class RequestFailed(Exception):
-    """A request refused or failed, with the gRPC status that says why."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 class Undecodable:

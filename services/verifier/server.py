@@ -18,7 +18,7 @@ import grpc
 import torch
 from opentelemetry import trace
 
-from treeserve.errors import TreeserveError
+from treeserve.errors import RequestFailed, TreeserveError
 from treeserve.loading import LoadedModel
 from treeserve.telemetry import Tracing, VerifierMetrics
 from treeserve.tree import MAX_BUDGET
@@ -335,12 +335,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     def start(self, request: verifier_pb2.VerifierServiceGenerateRequest, trace_parent,
               outbox: Outbox | None = None) -> tuple[str, Outbox, trace.Span]:
-        """Check and queue a request, whichever RPC brought it (Refused where it cannot be served): its id on this
-        verifier, its outbox and its span (`trace_parent`: the caller's span context, or None)."""
+        """Check and queue a request, whichever RPC brought it (RequestFailed where it cannot be served): its id on
+        this verifier, its outbox and its span (`trace_parent`: the caller's span context, or None)."""
         if self.scheduler is None:
-            raise Refused(grpc.StatusCode.UNAVAILABLE, "the verifier is still loading its model")
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the verifier is still loading its model")
         if self.draining:  # (a gateway's Session stream stays open while the server drains: refused here)
-            raise Refused(grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down")
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down")
         try:
             params = params_from_proto(request.sampling, request.stop, self.default_max_new_tokens)
             requested = request.speculation.budget or self.default_budget
@@ -359,7 +359,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 budget = 0  # drafting does not pay at this load: plain decoding, without its bookkeeping
                 generation = generation_with(budget)
         except TreeserveError as error:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         request_id = f"{request.request_id or 'request'}-{uuid.uuid4().hex[:8]}"
         span = self.tracing.tracer.start_span(
             "verifier.generate", context=trace_parent, kind=trace.SpanKind.SERVER,
@@ -370,7 +370,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         except TreeserveError as error:
             span.end()
             code = grpc.StatusCode.UNAVAILABLE if isinstance(error, RankLost) else grpc.StatusCode.INVALID_ARGUMENT
-            raise Refused(code, str(error)) from None
+            raise RequestFailed(code, str(error)) from None
 
     def drain(self) -> None:
         """Shutting down: refuse new requests (UNAVAILABLE, so a gateway takes them to another verifier)."""
@@ -385,7 +385,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     async def Generate(self, request, context):
         try:
             request_id, outbox, span = self.start(request, self.tracing.parent(context.invocation_metadata() or ()))
-        except Refused as refused:
+        except RequestFailed as refused:
             await context.abort(refused.code, refused.message)
         try:
             while True:
@@ -417,14 +417,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             model=self.name, vocab_size=cfg.vocab_size, max_context=cfg.max_context,
             eos_token_ids=sorted(self.target.tokenizer.eos_ids), max_budget=MAX_BUDGET,
             default_budget=self.default_budget, drafters=[link.address for link in self.links])
-
-
-class Refused(Exception):
-    """A request the verifier will not serve, with the gRPC status that says why."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 def failure_status(error: Exception) -> tuple[grpc.StatusCode, str]:
@@ -476,7 +468,7 @@ class SessionStream:
         try:
             request_id, _, span = self.servicer.start(start.request, self.servicer.tracing.parent(start.trace_context),
                                                       outbox)
-        except Refused as refused:
+        except RequestFailed as refused:
             self._error(name, refused.code, refused.message)
             return
         self.requests[name] = (request_id, span)
