@@ -80,11 +80,18 @@ def test_a_cancelled_stream_frees_its_kv(services):
             call.cancel()
             return held
 
-    before = scrape(services.verifier_metrics).get(("treeserve_verifier_requests_total", (("outcome", "cancelled"),)), 0)
-    assert asyncio.run(cancel_after_first_message()) > 0
-    after = wait_for(lambda: (m := scrape(services.verifier_metrics))[("treeserve_verifier_kv_slots", ())] == 0 and m,
-                     timeout_s=10, what="the verifier to free the cancelled request's KV")
-    assert after[("treeserve_verifier_requests_total", (("outcome", "cancelled"),))] == before + 1
+    cancelled, finished = (("treeserve_verifier_requests_total", (("outcome", outcome),)) for outcome in
+                           ("cancelled", "length"))
+    # On a loaded machine the tiny target's 200 tokens can all be made before the cancel arrives (the request then
+    # ends by its length, and frees its KV that way): such a try says nothing, and the scenario runs again.
+    for _ in range(5):
+        before = scrape(services.verifier_metrics)
+        held = asyncio.run(cancel_after_first_message())
+        after = wait_for(lambda: (m := scrape(services.verifier_metrics))[("treeserve_verifier_kv_slots", ())] == 0
+                         and m, timeout_s=10, what="the verifier to free the cancelled request's KV")
+        if after.get(finished, 0) == before.get(finished, 0):
+            break
+    assert held > 0 and after.get(cancelled, 0) == before.get(cancelled, 0) + 1
     assert after[("treeserve_verifier_running_requests", ())] == 0
 
 
