@@ -91,15 +91,15 @@ class VerifierSession:
     updates go to its own queue; when the stream fails, every request on it gets the failure."""
 
     def __init__(self, stub: verifier_pb2_grpc.VerifierServiceStub):
-        self.outgoing: asyncio.Queue = asyncio.Queue()  # starts and cancels; None closes our side
+        self.outgoing: asyncio.Queue = asyncio.Queue()  # starts and cancels, in the order the stream sends them
         self.call = stub.Session(self._requests())
         self.queues: dict[str, asyncio.Queue] = {}  # request_id -> its updates (SessionUpdate or VerifierFailed)
         self.failure: VerifierFailed | None = None
         self.reader = asyncio.ensure_future(self._read())
 
-    async def _requests(self):
-        while (message := await self.outgoing.get()) is not None:
-            yield message
+    async def _requests(self):  # (for as long as the call lasts: close() cancels it)
+        while True:
+            yield await self.outgoing.get()
 
     def start(self, request: verifier_pb2.VerifierServiceGenerateRequest, trace_context: dict[str, str]
               ) -> asyncio.Queue:
