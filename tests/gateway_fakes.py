@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from treeserve.errors import TreeserveError
+from treeserve.errors import RequestFailed, TreeserveError
 from treeserve.gateway.server import GatewayServicer, serve
 from treeserve.v1 import gateway_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
 
@@ -61,9 +61,9 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServiceServicer):
                 async for message in self.replies(request):
                     outgoing.put_nowait(verifier_pb2.VerifierServiceSessionResponse(
                         updates=[verifier_pb2.SessionUpdate(request_id=name, response=message)]))
-            except Aborted as aborted:
+            except RequestFailed as refused:
                 outgoing.put_nowait(verifier_pb2.VerifierServiceSessionResponse(updates=[verifier_pb2.SessionUpdate(
-                    request_id=name, error_code=aborted.code.value[0], error_message=aborted.details)]))
+                    request_id=name, error_code=refused.code.value[0], error_message=refused.message)]))
 
         async def read():
             async for message in request_iterator:
@@ -84,7 +84,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServiceServicer):
     async def replies(self, request):
         self.requests.append(request)
         if self.error:
-            raise Aborted(*self.error)
+            raise RequestFailed(*self.error)
         try:
             for step in self.steps[:-1]:
                 yield verifier_pb2.VerifierServiceGenerateResponse(token_ids=step)
@@ -102,12 +102,6 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServiceServicer):
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
-
-
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self.code, self.details = code, details
 
 
 @dataclasses.dataclass
