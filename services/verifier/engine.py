@@ -520,6 +520,7 @@ class Stops:
         self.tokenizer, self.params = tokenizer, params
         self.ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokenizer.eos_ids))
         self.text_end: int | None = None  # where a matched stop string starts in the decoded text
+        self.longest_stop = max(map(len, params.stop_strings), default=0)
 
     def reason(self, output_ids: list[int]) -> str | None:
         """Why the output ends at its newest token ("stop" or "length"); None: it goes on."""
@@ -532,7 +533,7 @@ class Stops:
             return False
         text = self.tokenizer.decode(output_ids)
         # Only a match that the newest token completed can be new; search a tail long enough to hold one.
-        tail_start = max(0, len(self.tokenizer.decode(output_ids[:-1])) - max(map(len, self.params.stop_strings)))
+        tail_start = max(0, len(self.tokenizer.decode(output_ids[:-1])) - self.longest_stop)
         found = [i for s in self.params.stop_strings if (i := text.find(s, tail_start)) >= 0]
         if found:
             self.text_end = min(found)
@@ -544,7 +545,7 @@ class Stops:
         grows with it. A tail's first characters may decode apart from the whole text's (a character cut between
         tokens, a tokenizer's leading space), its end does not: the tail is taken a few characters longer than the
         longest stop string needs."""
-        needed = max(map(len, self.params.stop_strings)) + TAIL_MARGIN_CHARS
+        needed = self.longest_stop + TAIL_MARGIN_CHARS
         tokens = needed
         while True:
             tail = self.tokenizer.decode(output_ids[-tokens:])
