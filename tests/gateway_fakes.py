@@ -40,8 +40,9 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServiceServicer):
     or aborts with `error`, on the Session stream the gateway keeps. Records the requests and whether one was
     cancelled."""
 
-    def __init__(self, steps, gated=False, error=None, interval_s=0.0, max_context=MAX_CONTEXT):
+    def __init__(self, steps, gated=False, error=None, interval_s=0.0, max_context=MAX_CONTEXT, session_socket=""):
         self.steps, self.error, self.interval_s, self.max_context = steps, error, interval_s, max_context
+        self.session_socket = session_socket  # what GetInfo names (the fake itself serves Session over gRPC only)
         self.gate = asyncio.Event() if gated else None
         self.requests = []
         self.cancelled = asyncio.Event()
@@ -49,7 +50,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServiceServicer):
     async def GetInfo(self, request, context):
         return verifier_pb2.VerifierServiceGetInfoResponse(model="fake-smollm2", vocab_size=49152,
                                                            max_context=self.max_context, eos_token_ids=[2], max_budget=32,
-                                                           default_budget=16)
+                                                           default_budget=16, session_socket=self.session_socket)
 
     async def Session(self, request_iterator, context):
         """Each started request runs `replies` on its own; one message an update."""

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway_fakes import MAX_CONTEXT, TEXT, FakeVerifier, running, smollm2_tokenizer, start_fake, steps_of
 from treeserve.gateway.client import add_client_arguments, generate_via_gateway, main_client
 from treeserve.detokenize import TextStream
+from treeserve.framing import FramedCall
 from treeserve.params import GenerationParams
 from treeserve.v1 import gateway_pb2, generation_pb2
 
@@ -195,6 +196,18 @@ def test_requests_spread_by_inflight_count(tmp_path, tok, steps):
 
     counts, idle = asyncio.run(main())
     assert counts == [2, 2] and idle == [0, 0, 0]
+
+
+def test_a_session_socket_that_cannot_be_opened_leaves_the_session_on_grpc(tmp_path, tok, steps, caplog):
+    async def main():
+        fake = FakeVerifier(steps, session_socket=f"{tmp_path}/gone.sock.session")
+        async with running(tmp_path, tok, [fake]) as h:
+            replies = [r async for r in h.stub.Generate(request())]
+            return replies, h.servicer.verifiers[0]._session.call
+
+    replies, call = asyncio.run(main())
+    assert "".join(r.text for r in replies) == TEXT and not isinstance(call, FramedCall)
+    assert "gone.sock.session" in caplog.text and "Session over gRPC" in caplog.text
 
 
 def test_client_cancel_cancels_the_verifier_stream(tmp_path, tok, steps):

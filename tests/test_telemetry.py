@@ -14,10 +14,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 import tiny_models
-from treeserve import serving, telemetry
+from treeserve import telemetry
 from treeserve.drafter import NgramDrafter
+from treeserve.drafter import server as drafter_server
 from treeserve.drafter.server import DrafterServicer
 from treeserve.errors import TreeserveError
+from treeserve.framing import FramedCall
 from treeserve.gateway.server import GatewayServicer, serve as serve_gateway
 from treeserve.loading import load_target
 from treeserve.params import GenerationParams
@@ -25,6 +27,7 @@ from treeserve.telemetry import Tracing
 from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2
 from treeserve.verifier import generate
 from treeserve.verifier.drafter_link import DrafterLink
+from treeserve.verifier import server as verifier_server
 from treeserve.verifier.server import VerifierServicer
 
 PROMPT = "the cat sat on the mat and the cat sat on the mat and the cat"
@@ -36,7 +39,9 @@ def target(tmp_path_factory):
 
 
 class Stack:
-    """Drafter, verifier and gateway served in this process on Unix sockets, sharing one tracing setup."""
+    """Drafter, verifier and gateway served in this process on Unix sockets, sharing one tracing setup: the Draft
+    and Session streams as frames on the sockets beside the drafter's and the verifier's, as `treeserve up` runs
+    them."""
 
     def __init__(self, tmp_path, target, tracing: Tracing):
         self.tmp_path, self.target, self.tracing = tmp_path, target, tracing
@@ -46,11 +51,11 @@ class Stack:
 
     async def __aenter__(self):
         drafter = DrafterServicer(NgramDrafter(), tracing=self.tracing, metrics=self.drafter_metrics)
-        self.drafter = await serving.start(f"unix://{self.tmp_path}/drafter.sock", drafter.register)
+        self.drafter = await drafter_server.start(f"unix://{self.tmp_path}/drafter.sock", drafter)
         self.link = DrafterLink(self.drafter.address, timeout_s=5.0)
         verifier = VerifierServicer("tiny", [self.link], default_budget=8, default_max_new_tokens=16, max_batch=8,
                                     tracing=self.tracing, metrics=self.verifier_metrics)
-        self.verifier = await serving.start(f"unix://{self.tmp_path}/verifier.sock", verifier.register)
+        self.verifier = await verifier_server.start(f"unix://{self.tmp_path}/verifier.sock", verifier)
         self.scheduler = verifier.attach(self.target)
         self.scheduler_task = asyncio.ensure_future(self.scheduler.run())
         await self.scheduler.connect(self.link)
@@ -91,9 +96,12 @@ def test_one_trace_holds_spans_of_all_three_services(tmp_path, target):
 
     async def main():
         async with Stack(tmp_path, target, tracing) as stack:
-            return await stack.generate(PROMPT, 12)
+            tokens = await stack.generate(PROMPT, 12)
+            return tokens, stack.gateway_servicer.verifiers[0]._session.call, stack.link.call
 
-    assert asyncio.run(main()) == expected(target, PROMPT, 12)
+    tokens, session, draft = asyncio.run(main())
+    assert tokens == expected(target, PROMPT, 12)
+    assert isinstance(session, FramedCall) and isinstance(draft, FramedCall)  # the trace went through frames
     spans = exporter.get_finished_spans()
     assert len({span.context.trace_id for span in spans}) == 1, "every span belongs to the request's trace"
     by_id = {span.context.span_id: span for span in spans}

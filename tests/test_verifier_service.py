@@ -4,6 +4,7 @@ target's own output, with or without a working drafter, and cancellation frees w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import random
 import threading
@@ -13,10 +14,11 @@ import grpc
 import pytest
 
 from random_targets import random_target, word_tokenizer
-from treeserve import serving
+from treeserve import framing, serving
 from treeserve.drafter import NgramDrafter
 from treeserve.drafter import server as drafter_server
 from treeserve.drafter.server import DrafterServicer
+from treeserve.framing import FramedCall
 from treeserve.loading import LoadedModel
 from treeserve.params import GenerationParams
 from treeserve.v1 import generation_pb2, verifier_pb2, verifier_pb2_grpc
@@ -25,6 +27,7 @@ from treeserve.verifier.drafter_link import DrafterLink
 from treeserve.verifier.graphs import build_verifier
 from treeserve.verifier import round as verifier_round
 from treeserve.verifier.adaptive import AdaptiveSpeculation
+from treeserve.verifier import server as verifier_server
 from treeserve.verifier.server import VerifierServicer
 
 VOCAB = 64
@@ -38,7 +41,7 @@ def target():
 async def start_verifier(tmp_path, target, drafter_addresses, timeout_s=1.0, max_batch=8, kv_cache_tokens=0):
     links = [DrafterLink(address, timeout_s) for address in drafter_addresses]
     servicer = VerifierServicer("tiny", links, default_budget=8, default_max_new_tokens=16, max_batch=max_batch)
-    service = await serving.start(f"unix://{tmp_path}/verifier.sock", servicer.register)
+    service = await verifier_server.start(f"unix://{tmp_path}/verifier.sock", servicer)
     scheduler = servicer.attach(target, build_verifier(target.model, max_batch, False, kv_cache_tokens, block_size=4))
     task = asyncio.ensure_future(scheduler.run())
     for link in links:
@@ -271,9 +274,36 @@ def start(name, prompt, max_new_tokens=24, **speculation):
     return verifier_pb2.VerifierServiceSessionRequest(start=verifier_pb2.SessionStart(request=message))
 
 
-def test_a_session_carries_many_requests_one_message_a_round(tmp_path, target):
-    """A gateway's Session stream: each round's tokens for all of its requests in one message, every output the
-    target's own; a bad start is refused on its own, a cancel frees its request, the stream's end the rest."""
+@contextlib.asynccontextmanager
+async def session_call(service, transport, outgoing: asyncio.Queue):
+    """A Session stream to the verifier, over gRPC or as frames on the socket its GetInfo names: `outgoing`'s
+    messages go out (None: no more); yields (read, cancel), read() giving each message, then grpc.aio.EOF."""
+    async with grpc.aio.insecure_channel(service.address) as channel:
+        stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+        if transport == "grpc":
+            call = stub.Session(until_none(outgoing))
+            yield call.read, call.cancel
+            return
+        info = await stub.GetInfo(verifier_pb2.VerifierServiceGetInfoRequest())
+        assert info.session_socket == service.address[len("unix://"):] + ".session"
+        call = await FramedCall.open(info.session_socket, verifier_pb2.VerifierServiceSessionResponse)
+
+        async def send():
+            while (message := await outgoing.get()) is not None:
+                call.send(message)
+        sending = asyncio.ensure_future(send())
+        try:
+            yield call.read, call.cancel
+        finally:
+            sending.cancel()
+            call.cancel()
+
+
+@pytest.mark.parametrize("transport", ["grpc", "frames"])
+def test_a_session_carries_many_requests_one_message_a_round(tmp_path, target, transport):
+    """A gateway's Session stream, over gRPC or as frames on the socket beside the verifier's: each round's tokens
+    for all of its requests in one message, every output the target's own; a bad start is refused on its own, a
+    cancel frees its request, the stream's end the rest."""
     prompts = repetitive_prompts(4, seed=5)
 
     async def main():
@@ -290,9 +320,8 @@ def test_a_session_carries_many_requests_one_message_a_round(tmp_path, target):
         outgoing.put_nowait(start("doomed", prompts[0], 400))
         outgoing.put_nowait(start("left", prompts[1], 400))
         tokens, finals, errors, messages, in_a_message = {}, {}, {}, 0, []
-        async with grpc.aio.insecure_channel(service.address) as channel:
-            call = verifier_pb2_grpc.VerifierServiceStub(channel).Session(until_none(outgoing))
-            async for message in call:
+        async with session_call(service, transport, outgoing) as (read, cancel):
+            while (message := await read()) is not grpc.aio.EOF:
                 messages += 1
                 in_a_message.append(len(message.updates))
                 for update in message.updates:
@@ -307,7 +336,7 @@ def test_a_session_carries_many_requests_one_message_a_round(tmp_path, target):
                     outgoing.put_nowait(verifier_pb2.VerifierServiceSessionRequest(cancel="doomed"))
                 if len(finals) == len(prompts):
                     break
-            call.cancel()  # "left" is still running: the stream's end cancels it
+            cancel()  # "left" is still running: the stream's end cancels it
             for _ in range(200):
                 if not scheduler.running and not scheduler.waiting:
                     break
@@ -328,6 +357,44 @@ def test_a_session_carries_many_requests_one_message_a_round(tmp_path, target):
     # Rounds of several requests came as one message each, not one message a request.
     assert max(in_a_message) >= 4 and len(in_a_message) < sum(rounds)
     assert leftover == 0 and allocator.free_count == allocator.num_blocks
+
+
+@pytest.mark.parametrize("frame, kind, reason", [
+    (b"\xff\xff\xff", framing.MESSAGE, "no VerifierServiceSessionRequest"),
+    (b"/dev/shm/region", framing.REGION, "a frame of kind 2 where a VerifierServiceSessionRequest was due"),
+])
+def test_a_bad_session_frame_is_refused_with_its_reason_and_ends_only_its_stream(tmp_path, target, frame, kind,
+                                                                                reason):
+    prompt = repetitive_prompts(1, seed=13)[0]
+
+    async def main():
+        service, scheduler, task = await start_verifier(tmp_path, target, [])
+        path = service.address[len("unix://"):] + ".session"
+        bad = await FramedCall.open(path, verifier_pb2.VerifierServiceSessionResponse)
+        bad.send(start("running", prompt, 400))
+        framing.write_frame(bad.writer, frame, kind)
+        with pytest.raises(framing.Refused, match=reason):
+            while True:  # (the running request's rounds may come first)
+                await bad.read()
+        for _ in range(200):  # its stream's request ended with it
+            if not scheduler.running:
+                break
+            await asyncio.sleep(0.01)
+        left = len(scheduler.running)
+        good = await FramedCall.open(path, verifier_pb2.VerifierServiceSessionResponse)
+        good.send(start("next", prompt))
+        tokens, finished = [], False
+        while not finished:
+            for update in (await good.read()).updates:
+                tokens.extend(update.response.token_ids)
+                finished = bool(update.response.finish_reason)
+        good.cancel()
+        task.cancel()
+        await service.stop(0)
+        return left, tokens
+
+    left, tokens = asyncio.run(main())
+    assert left == 0 and tokens == expected(target, prompt)
 
 
 def test_a_draining_verifier_finishes_its_requests_and_refuses_new_ones(tmp_path, target):

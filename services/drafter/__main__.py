@@ -41,7 +41,7 @@ async def serve(args: DrafterSettings) -> None:
         raise
     await service.ready()
     log.info("drafter %s (max budget %d) serving on %s%s", args.kind, args.max_budget, service.address,
-             f" (and Draft streams as frames on {servicer.frame_socket})" if servicer.frame_socket else "")
+             f" (and Draft streams as frames on {servicer.frames.path})" if servicer.frames.path else "")
     await serving.run_until_signalled(service, args.grace_s)
     tracing.shutdown()
     log.info("drafter stopped")

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from pathlib import Path
 
 import grpc
 
@@ -34,9 +33,7 @@ async def start(listen: str, servicer: "DrafterServicer") -> serving.Service:
     """serving.start for a drafter: gRPC on `listen` and, on a Unix socket, the Draft stream as frames beside it
     (stopped with the service)."""
     service = await serving.start(listen, servicer.register)
-    path = framing.local_draft_socket(service.address)
-    if path is not None and await servicer.listen_for_frames(path):
-        service.listeners.append(servicer.stop_frames)
+    await framing.listen_beside(service, servicer.frames, "draft")
     return service
 
 
@@ -49,9 +46,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.drafter, self.max_budget = drafter, max_budget
         self.tracing = tracing or Tracing.off()
         self.metrics = metrics or DrafterMetrics()
-        self.frame_socket = ""  # where it also takes Draft streams as frames (listen_for_frames); "": nowhere
-        self.frame_server: asyncio.AbstractServer | None = None
-        self.frame_writers: set[asyncio.StreamWriter] = set()  # the framed streams open now
+        self.frames = framing.FrameServer(self.serve_frames)  # Draft streams as frames, where it listens for them
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         """For serving.start: add this servicer and name it for reflection."""
@@ -66,7 +61,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is still loading")
         return drafter_pb2.DrafterServiceGetInfoResponse(kind=self.drafter.name, max_budget=self.max_budget,
                                                          feature_layer_ids=self.drafter.feature_layer_ids,
-                                                         draft_socket=self.frame_socket,
+                                                         draft_socket=self.frames.path,
                                                          lookup_trees=self.lookup_trees)
 
     @property
@@ -90,7 +85,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         """The Draft stream of a verifier on this host, over the socket beside the gRPC one (treeserve.framing):
         the same messages and answers, and the feature region it may share; a bad frame or round ends the stream
         with a refusal frame saying why."""
-        self.frame_writers.add(writer)
         region: MappedRegion | None = None
         try:
             if self.drafter is None:
@@ -113,8 +107,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         except ConnectionError:  # the verifier went away (or refused: it sends no such frame)
             pass
         finally:
-            self.frame_writers.discard(writer)
-            writer.close()
             if region is not None:
                 region.close()
 
@@ -129,31 +121,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             return MappedRegion(payload.decode(errors="replace")), ""
         except TreeserveError as error:
             return None, str(error)
-
-    async def listen_for_frames(self, path: Path) -> bool:
-        """Take Draft streams as frames on `path` too, and say so in GetInfo; True if it listens there."""
-        try:
-            path.unlink(missing_ok=True)
-            self.frame_server = await asyncio.start_unix_server(self.serve_frames, str(path),
-                                                                limit=framing.READ_BUFFER_BYTES)
-        except OSError as error:  # a path too long for a socket, say: gRPC serves every verifier then
-            log.warning("cannot take Draft streams on %s (%s): gRPC only", path, error)
-            return False
-        self.frame_socket = str(path)
-        return True
-
-    async def stop_frames(self, grace_s: float) -> None:
-        """Take no more framed streams, give the open ones `grace_s` seconds, then end them, as gRPC does its own."""
-        if self.frame_server is None:
-            return
-        self.frame_server.close()
-        self.frame_socket, path = "", self.frame_socket
-        deadline = time.monotonic() + grace_s
-        while self.frame_writers and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        for writer in list(self.frame_writers):
-            writer.close()
-        Path(path).unlink(missing_ok=True)
 
     @contextlib.contextmanager
     def stream(self):

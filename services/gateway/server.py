@@ -33,7 +33,9 @@ from opentelemetry import trace
 
 from treeserve.detokenize import TextStream
 from treeserve.errors import RequestFailed, TreeserveError
-from treeserve.serving import Service, client_options, freeze_startup_objects, normalize_address, start
+from treeserve.framing import FramedCall
+from treeserve.serving import (Service, client_options, freeze_startup_objects, normalize_address, start,
+                               unix_socket_path)
 from treeserve.telemetry import GatewayMetrics, Tracing
 from treeserve.tokenizer import Tokenizer
 from treeserve.v1 import gateway_pb2, gateway_pb2_grpc, generation_pb2, verifier_pb2, verifier_pb2_grpc
@@ -88,11 +90,17 @@ DEADLINE_PASSED = object()  # put in a request's updates when its deadline passe
 class VerifierSession:
     """This gateway's Session stream to one verifier, which carries all of its requests there: per round one
     message with every request's tokens, where a stream a request would take a message each. Each request's
-    updates go to its own queue; when the stream fails, every request on it gets the failure."""
+    updates go to its own queue; when the stream fails, every request on it gets the failure.
 
-    def __init__(self, stub: verifier_pb2_grpc.VerifierServiceStub):
-        self.outgoing: asyncio.Queue = asyncio.Queue()  # starts and cancels, in the order the stream sends them
-        self.call = stub.Session(self._requests())
+    `frames`: the stream as frames on the verifier's session socket (a verifier on this host); None: over gRPC."""
+
+    def __init__(self, stub: verifier_pb2_grpc.VerifierServiceStub, frames: FramedCall | None = None):
+        if frames is None:
+            self.outgoing: asyncio.Queue = asyncio.Queue()  # starts and cancels, in the order the stream sends them
+            self.call = stub.Session(self._requests())
+            self.send = self.outgoing.put_nowait
+        else:
+            self.call, self.send = frames, frames.send  # (a frame's write is buffered: no task to wake)
         self.queues: dict[str, asyncio.Queue] = {}  # request_id -> its updates (SessionUpdate or VerifierFailed)
         self.failure: VerifierFailed | None = None
         self.reader = asyncio.ensure_future(self._read())
@@ -105,17 +113,17 @@ class VerifierSession:
               ) -> asyncio.Queue:
         queue = self.queues[request.request_id] = asyncio.Queue()
         start = verifier_pb2.SessionStart(request=request, trace_context=trace_context)
-        self.outgoing.put_nowait(verifier_pb2.VerifierServiceSessionRequest(start=start))
+        self.send(verifier_pb2.VerifierServiceSessionRequest(start=start))
         return queue
 
     def end(self, request_id: str, cancel: bool) -> None:
         """The request is over here; with `cancel`, the verifier is told to end it too."""
         if self.queues.pop(request_id, None) is not None and cancel and self.failure is None:
-            self.outgoing.put_nowait(verifier_pb2.VerifierServiceSessionRequest(cancel=request_id))
+            self.send(verifier_pb2.VerifierServiceSessionRequest(cancel=request_id))
 
     async def _read(self) -> None:
         try:
-            async for message in self.call:
+            while (message := await self.call.read()) is not grpc.aio.EOF:
                 for update in message.updates:
                     queue = self.queues.get(update.request_id)
                     if queue is not None:
@@ -123,6 +131,8 @@ class VerifierSession:
             failure = VerifierFailed(grpc.StatusCode.UNAVAILABLE, "the verifier ended the session")
         except grpc.aio.AioRpcError as error:
             failure = VerifierFailed(error.code(), error.details() or error.code().name)
+        except ConnectionError as error:  # the framed stream's socket (a refusal says why)
+            failure = VerifierFailed(grpc.StatusCode.UNAVAILABLE, f"the verifier's session socket: {error}")
         except asyncio.CancelledError:
             failure = VerifierFailed(grpc.StatusCode.UNAVAILABLE, "the gateway is closing")
         self.failure = failure
@@ -149,10 +159,22 @@ class Verifier:
         self.serving = False  # its own health says SERVING
         self._session: VerifierSession | None = None
 
-    def session(self) -> VerifierSession:
-        """The Session stream, opened at the first request and again once it has failed."""
+    async def session(self) -> VerifierSession:
+        """The Session stream, opened at the first request and again once it has failed: as frames on the
+        verifier's session socket where it names one and is on this host, else over gRPC."""
         if self._session is None or self._session.failure is not None:
-            self._session = VerifierSession(self.stub)
+            frames, socket = None, self.info.session_socket if self.info is not None else ""
+            if socket and unix_socket_path(self.address) is not None:
+                try:
+                    frames = await FramedCall.open(socket, verifier_pb2.VerifierServiceSessionResponse)
+                    log.info("verifier %s: Session stream as frames on %s", self.address, socket)
+                except OSError as error:
+                    log.warning("verifier %s: its session socket %s: %s; Session over gRPC", self.address, socket,
+                                error)
+            if self._session is None or self._session.failure is not None:  # (unless one opened meanwhile)
+                self._session = VerifierSession(self.stub, frames)
+            elif frames is not None:
+                frames.cancel()
         return self._session
 
     def close_session(self) -> None:
@@ -369,7 +391,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             for attempt, verifier in enumerate(candidates):
                 verifier.inflight += 1
                 verifier.last_pick = next(self.picks)
-                session = verifier.session()
+                session = await verifier.session()
                 updates = session.start(verifier_request, trace_context)
                 timer = None if deadline is None else asyncio.get_running_loop().call_later(
                     seconds_left(deadline), updates.put_nowait, DEADLINE_PASSED)

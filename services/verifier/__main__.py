@@ -32,6 +32,7 @@ async def serve(args, shard=None, followers=()) -> None:
     from treeserve.verifier.drafter_link import DrafterLink, expand_drafter_addresses
     from treeserve.models.graphs import graphs_wanted
     from treeserve.verifier.adaptive import AdaptiveSpeculation
+    from treeserve.verifier import server
     from treeserve.verifier.server import VerifierServicer, use_intra_op_threads
     from treeserve.verifier.tensor_parallel import Mirror, build_mirrored_verifier
 
@@ -40,8 +41,9 @@ async def serve(args, shard=None, followers=()) -> None:
     links = [DrafterLink(address, args.draft_timeout_s) for address in expand_drafter_addresses(args.drafter)]
     servicer = VerifierServicer(args.target, links, args.default_budget, args.default_max_new_tokens, args.max_batch,
                                 tracing, metrics)
-    service = await serving.start(args.listen, servicer.register)
-    log.info("verifier listening on %s; loading %s", service.address, args.target)
+    service = await server.start(args.listen, servicer)
+    log.info("verifier listening on %s%s; loading %s", service.address,
+             f" (and Session streams as frames on {servicer.frames.path})" if servicer.frames.path else "", args.target)
     mirror = None if shard is None else Mirror(parallel.control_group())
     # All of torch's parallel work runs on this one thread, from loading to every forward that blocks. A second
     # thread's parallel op starts a second OpenMP team, more threads than cores, and every later round slows down

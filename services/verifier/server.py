@@ -18,6 +18,7 @@ import grpc
 import torch
 from opentelemetry import trace
 
+from treeserve import framing, serving
 from treeserve.errors import RequestFailed, TreeserveError
 from treeserve.loading import LoadedModel
 from treeserve.telemetry import Tracing, VerifierMetrics
@@ -305,6 +306,14 @@ def round_attributes(request: RequestReport, report: RoundReport) -> dict:
     return attributes | {"treeserve.tree_nodes": request.tree_nodes, "treeserve.accepted": request.accepted}
 
 
+async def start(listen: str, servicer: "VerifierServicer") -> serving.Service:
+    """serving.start for a verifier: gRPC on `listen` and, on a Unix socket, the Session stream as frames beside it
+    (stopped with the service)."""
+    service = await serving.start(listen, servicer.register)
+    await framing.listen_beside(service, servicer.frames, "session")
+    return service
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     def __init__(self, name: str, links: list[DrafterLink], default_budget: int, default_max_new_tokens: int,
                  max_batch: int, tracing: Tracing | None = None, metrics: VerifierMetrics | None = None):
@@ -315,6 +324,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         self.metrics = metrics or VerifierMetrics()
         self.scheduler: Scheduler | None = None  # set once the model is loaded
         self.draining = False  # shutting down: the requests running finish, no new one starts
+        self.frames = framing.FrameServer(self.serve_session_frames)  # Session streams as frames, where it listens
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         """For serving.start: add this servicer and name it for reflection."""
@@ -409,6 +419,25 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             reader.cancel()
             session.close()
 
+    async def serve_session_frames(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The Session stream of a gateway on this host, over the socket beside the gRPC one (treeserve.framing):
+        the same messages, each round's written as the loop next runs its callbacks; the socket's close ends the
+        stream and its requests, and a bad frame is refused with why."""
+        def deliver(message: verifier_pb2.VerifierServiceSessionResponse) -> None:
+            if not writer.is_closing():  # (a round's message after the gateway has gone: nowhere to go)
+                framing.write_frame(writer, message.SerializeToString())
+
+        session = SessionStream(self, deliver)
+        try:
+            while (frame := await framing.read_frame(reader)) is not None:
+                session.take(framing.parse_message(*frame, verifier_pb2.VerifierServiceSessionRequest))
+        except TreeserveError as error:  # a bad frame (framing.FrameError)
+            framing.write_frame(writer, str(error).encode(), framing.REFUSAL)
+        except ConnectionError:  # the gateway went away
+            pass
+        finally:
+            session.close()
+
     async def GetInfo(self, request, context):
         if self.scheduler is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is still loading its model")
@@ -416,7 +445,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         return verifier_pb2.VerifierServiceGetInfoResponse(
             model=self.name, vocab_size=cfg.vocab_size, max_context=cfg.max_context,
             eos_token_ids=sorted(self.target.tokenizer.eos_ids), max_budget=MAX_BUDGET,
-            default_budget=self.default_budget, drafters=[link.address for link in self.links])
+            default_budget=self.default_budget, drafters=[link.address for link in self.links],
+            session_socket=self.frames.path)
 
 
 def failure_status(error: Exception) -> tuple[grpc.StatusCode, str]:
@@ -434,12 +464,15 @@ def set_final_attributes(span: trace.Span, message: verifier_pb2.VerifierService
 class SessionStream:
     """One Session stream's requests. What the rounds put in their outboxes joins one message, sent when the loop
     next runs its ready callbacks: after the round has emitted for every request, so a round makes one message for
-    the whole stream (one write, one read on the other side) where Generate makes one a request."""
+    the whole stream (one write, one read on the other side) where Generate makes one a request.
 
-    def __init__(self, servicer: VerifierServicer):
+    `deliver(message)` sends one; by default it queues it in `outgoing`, which the gRPC stream yields from."""
+
+    def __init__(self, servicer: VerifierServicer, deliver=None):
         self.servicer = servicer
         self.requests: dict[str, tuple[str, trace.Span]] = {}  # the caller's request_id -> this verifier's, its span
         self.outgoing: asyncio.Queue = asyncio.Queue()  # messages to send; None ends the stream
+        self.deliver = deliver or self.outgoing.put_nowait
         self.pending: verifier_pb2.VerifierServiceSessionResponse | None = None
         self.reading = True
 
@@ -447,15 +480,19 @@ class SessionStream:
         """The caller's starts and cancels, until it closes its side (or the stream fails)."""
         try:
             async for message in request_iterator:
-                if message.HasField("start"):
-                    self.start(message.start)
-                elif message.cancel:
-                    self.cancel(message.cancel)
+                self.take(message)
         except grpc.aio.AioRpcError:  # the caller went away: Session's own end cancels its requests
             pass
         self.reading = False
         if not self.requests and self.pending is None:
             self.outgoing.put_nowait(None)
+
+    def take(self, message: verifier_pb2.VerifierServiceSessionRequest) -> None:
+        """One message from the caller: a start or a cancel."""
+        if message.HasField("start"):
+            self.start(message.start)
+        elif message.cancel:
+            self.cancel(message.cancel)
 
     def start(self, start: verifier_pb2.SessionStart) -> None:
         name = start.request.request_id
@@ -507,7 +544,7 @@ class SessionStream:
         return self.pending.updates.add(request_id=name)
 
     def _send(self) -> None:
-        self.outgoing.put_nowait(self.pending)
+        self.deliver(self.pending)
         self.pending = None
         if not self.reading and not self.requests:
             self.outgoing.put_nowait(None)

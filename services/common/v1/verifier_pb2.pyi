@@ -81,7 +81,7 @@ class VerifierServiceGetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierServiceGetInfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "max_budget", "default_budget", "drafters")
+    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "max_budget", "default_budget", "drafters", "session_socket")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class VerifierServiceGetInfoResponse(_message.Message):
     MAX_BUDGET_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_BUDGET_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SOCKET_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_context: int
@@ -96,4 +97,5 @@ class VerifierServiceGetInfoResponse(_message.Message):
     max_budget: int
     default_budget: int
     drafters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_budget: _Optional[int] = ..., default_budget: _Optional[int] = ..., drafters: _Optional[_Iterable[str]] = ...) -> None: ...
+    session_socket: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_budget: _Optional[int] = ..., default_budget: _Optional[int] = ..., drafters: _Optional[_Iterable[str]] = ..., session_socket: _Optional[str] = ...) -> None: ...
