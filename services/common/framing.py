@@ -21,7 +21,7 @@ from typing import Awaitable, Callable
 from google.protobuf.message import DecodeError
 
 from treeserve.errors import TreeserveError
-from treeserve.serving import MESSAGE_OPTIONS, unix_socket_path
+from treeserve.serving import MESSAGE_OPTIONS, Service, unix_socket_path
 
 log = logging.getLogger("treeserve.framing")
 
@@ -188,7 +188,7 @@ class FrameServer:
         Path(path).unlink(missing_ok=True)
 
 
-async def listen_beside(service, frames: FrameServer, stream: str) -> None:
+async def listen_beside(service: Service, frames: FrameServer, stream: str) -> None:
     """Have `frames` take `stream` on a socket beside the service's Unix socket (local_frame_socket), stopped with
     the service; nothing for a service on TCP."""
     path = local_frame_socket(service.address, stream)
