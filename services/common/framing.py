@@ -147,7 +147,9 @@ class FramedCall:
 
 class FrameServer:
     """A service's streams taken as frames on a Unix socket beside its gRPC one: `handle(reader, writer)` serves
-    one stream; the writer is closed when it returns. Stopped with the service (`stop`, a Service listener)."""
+    one stream; a TreeserveError it raises (a bad frame, a request the service refuses) ends the stream with a
+    refusal frame saying why, and the writer is closed when it returns. Stopped with the service (`stop`, a
+    Service listener)."""
 
     def __init__(self, handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]):
         self.handle = handle
@@ -170,6 +172,10 @@ class FrameServer:
         self.writers.add(writer)
         try:
             await self.handle(reader, writer)
+        except TreeserveError as error:
+            write_frame(writer, str(error).encode(), REFUSAL)
+        except ConnectionError:  # the caller went away (or refused: it sends no such frame)
+            pass
         finally:
             self.writers.discard(writer)
             writer.close()

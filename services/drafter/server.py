@@ -83,8 +83,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
 
     async def serve_frames(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """The Draft stream of a verifier on this host, over the socket beside the gRPC one (treeserve.framing):
-        the same messages and answers, and the feature region it may share; a bad frame or round ends the stream
-        with a refusal frame saying why."""
+        the same messages and answers, and the feature region it may share; a bad frame or round raises
+        TreeserveError, which the FrameServer refuses the stream with."""
         region: MappedRegion | None = None
         try:
             if self.drafter is None:
@@ -102,10 +102,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                             raise TreeserveError(f"round {request.round}: {error}") from None
                         framing.write_frame(writer, response.SerializeToString())
                     await writer.drain()
-        except TreeserveError as error:  # a bad frame (framing.FrameError) or a bad round
-            framing.write_frame(writer, str(error).encode(), framing.REFUSAL)
-        except ConnectionError:  # the verifier went away (or refused: it sends no such frame)
-            pass
         finally:
             if region is not None:
                 region.close()

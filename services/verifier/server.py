@@ -422,7 +422,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     async def serve_session_frames(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """The Session stream of a gateway on this host, over the socket beside the gRPC one (treeserve.framing):
         the same messages, each round's written as the loop next runs its callbacks; the socket's close ends the
-        stream and its requests, and a bad frame is refused with why."""
+        stream and its requests, and a bad frame (FrameError) is refused with why by the FrameServer."""
         def deliver(message: verifier_pb2.VerifierServiceSessionResponse) -> None:
             if not writer.is_closing():  # (a round's message after the gateway has gone: nowhere to go)
                 framing.write_frame(writer, message.SerializeToString())
@@ -431,10 +431,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         try:
             while (frame := await framing.read_frame(reader)) is not None:
                 session.take(framing.parse_message(*frame, verifier_pb2.VerifierServiceSessionRequest))
-        except TreeserveError as error:  # a bad frame (framing.FrameError)
-            framing.write_frame(writer, str(error).encode(), framing.REFUSAL)
-        except ConnectionError:  # the gateway went away
-            pass
         finally:
             session.close()
 
