@@ -218,6 +218,9 @@ class VerifierSettings(Settings):
     adaptive_min_budget: int = option(0, "adaptive: the smallest round budget (0: plain decoding allowed)", minimum=0)
     adaptive_max_budget: int = option(MAX_BUDGET, "adaptive: the largest round budget (a request's own budget caps "
                                                   "it too)", minimum=0)
+    adaptive_give_up_s: float = option(1.0, "adaptive: after this many seconds of rounds at a batch size in which "
+                                            "drafting would not pay, new requests there decode plainly (but one in "
+                                            "16) and running ones stop drafting; 0: at once", minimum=0)
     tp: int = option(1, "tensor-parallel ranks: this process is rank 0 and starts the others on this host (one GPU "
                         "each), unless a launcher such as torchrun set RANK and WORLD_SIZE", minimum=1)
     draft_timeout_s: float = option(2.0, "a drafter slower than this is treated as down for the round", minimum=0)

@@ -61,7 +61,8 @@ async def serve(args, shard=None, followers=()) -> None:
         raise
     adaptive = None
     if args.adaptive:
-        adaptive = AdaptiveSpeculation(args.adaptive_min_budget, args.adaptive_max_budget)
+        adaptive = AdaptiveSpeculation(args.adaptive_min_budget, args.adaptive_max_budget,
+                                       give_up_after_s=args.adaptive_give_up_s)
     scheduler = servicer.attach(target, verifier, adaptive, compute)  # (None: fixed speculation)
     if args.device == "cpu":  # the event loop's own torch work (picks, KV moves) is small: one thread, no team
         use_intra_op_threads(1)
