@@ -199,8 +199,10 @@ def test_bench_stacks_makes_the_tables_in_one_command(tmp_path):
     done = subprocess.run([sys.executable, "-m", "treeserve.bench.bench_stacks", "--out-dir", str(out), "--target",
                            str(model), "--drafters", "ngram", "--prompts", str(prompts), "--temperatures", "0",
                            "--concurrency", "1,2", "--requests", "3", "--max-new-tokens", "8", "--budget", "4",
-                           "--metrics-port", "19481"], capture_output=True, text=True, timeout=600)
+                           "--metrics-port", "19481", "--up-flags", "--verifier-log-level DEBUG"],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert " DEBUG " in (out / "runtime-ngram" / "verifier.log").read_text()  # --up-flags reached the service
     report = json.loads((out / "ngram-prompts-t0.json").read_text())
     assert [(r["mode"], r["concurrency"]) for r in report["runs"]] == [
         ("plain", 1), ("speculative", 1), ("plain", 2), ("speculative", 2)]

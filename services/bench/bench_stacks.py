@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -103,6 +104,9 @@ def parse_args(argv: list[str] | None):
                    help="turns of each mode at each load (treeserve bench's --repeats; default 1)")
     p.add_argument("--metrics-port", type=int, default=9464, help="the verifier's metrics port (default 9464)")
     p.add_argument("--start-timeout-s", type=float, default=600, help="how long to wait for each stack")
+    p.add_argument("--up-flags", default="", metavar="FLAGS",
+                   help="more `treeserve up` flags for every stack, as one string (say \"--verifier-adaptive-give-up-s "
+                        "0.25\"): a service setting compared across runs")
     args = p.parse_args(argv)
     args.drafters = [d for d in args.drafters.split(",") if d]
     unknown = [d for d in args.drafters if d not in DRAFTERS]
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         up = up_settings("--target", args.target, "--drafter", kind, "--tree", tree, "--budget", str(args.budget),
                          "--device", args.device, "--dtype", args.dtype, "--speculation", args.speculation,
                          "--verifier-metrics", f"127.0.0.1:{args.metrics_port}", "--grace-s", "2",
-                         "--start-timeout-s", str(args.start_timeout_s))
+                         "--start-timeout-s", str(args.start_timeout_s), *shlex.split(args.up_flags))
         stack = Stack(runtime)
         try:
             print(f"== {drafter}: starting the stack (logs in {runtime})", file=sys.stderr, flush=True)
