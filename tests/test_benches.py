@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -102,16 +103,48 @@ def test_transformers_baseline_on_the_cpu(tmp_path, fmt):
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_draft_profile_on_the_cpu(tmp_path):
-    """The DFlash round profile, one round of one request with the shipped drafter: every step timed."""
-    from treeserve.bench.draft_profile import DEVICE_STEPS, STEPS, main
+    """The DFlash round profile, one round of one request with the shipped drafter: every step timed, and its
+    proposals traced."""
+    from treeserve.bench.draft_profile import DEVICE_STEPS, LAUNCH_STEPS, STEPS, main
 
     out = tmp_path / "profile.json"
     assert main(["--device", "cpu", "--dtype", "float32", "--batches", "1", "--max-budgets", "8", "--budget", "8",
-                 "--context", "20", "--repeats", "1", "--out", str(out)]) == 0
+                 "--context", "20", "--repeats", "1", "--trace", str(tmp_path / "traces"), "--trace-rounds", "3",
+                 "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     (row,) = report["rows"]
     assert (row["max_budget"], row["batch"]) == (8, 1)
-    assert all(row["ms"][step] > 0 for step in STEPS) and all(row["ms"][step] == 0.0 for step in DEVICE_STEPS)
+    assert all(row["ms"][step] > 0 for step in STEPS)
+    assert all(row["ms"][step] == 0.0 for step in DEVICE_STEPS + LAUNCH_STEPS)
+    timeline = row["ms"]["timeline"]  # (on the CPU, no device work)
+    assert timeline["rounds"] == 3 and timeline["host_ms"] > 0 and timeline["device_busy_ms"] == 0
+    assert (tmp_path / "traces" / "trace-max8-batch1.json.gz").is_file()
+
+
+def test_a_proposals_timeline_from_its_trace():
+    """Per "propose" span: its host length, the device's busy time (overlaps counted once, work launched inside
+    it even where it runs past its end), when that work began and ended, and the runtime calls inside it."""
+    from treeserve.round_traces import timeline_medians, timeline_of
+
+    def event(cat, name, ts, dur):
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [event("user_annotation", "propose", 100, 300),
+              event("cuda_runtime", "cudaGraphLaunch", 150, 20), event("cuda_runtime", "cudaGraphLaunch", 200, 10),
+              event("cuda_runtime", "cudaStreamSynchronize", 250, 140),
+              event("kernel", "block", 180, 100), event("kernel", "overlapping", 250, 60),
+              event("gpu_memcpy", "trees", 330, 10),
+              event("user_annotation", "propose", 1000, 100), event("kernel", "late", 1150, 50),
+              event("cuda_runtime", "cudaGraphLaunch", 1020, 10), event("cuda_runtime", "outside", 1200, 5)]
+    first, second = timeline_of(events, "propose")
+    assert first["host_ms"] == 0.3 and first["device_busy_ms"] == 0.14
+    assert (first["device_first_ms"], first["device_last_ms"]) == (0.08, 0.24)
+    assert first["runtime_ms"] == pytest.approx({"cudaGraphLaunch": 0.03, "cudaStreamSynchronize": 0.14})
+    assert second["device_busy_ms"] == 0.05 and second["device_last_ms"] == 0.2
+    assert second["runtime_ms"] == {"cudaGraphLaunch": 0.01}
+    medians = timeline_medians([first, second])
+    assert medians["rounds"] == 2 and medians["host_ms"] == 0.2
+    assert medians["runtime_ms"] == {"cudaGraphLaunch": 0.02, "cudaStreamSynchronize": 0.07}
 
 
 def test_round_ways_on_the_cpu(tmp_path):
@@ -213,6 +246,58 @@ def test_service_profile_on_the_cpu(tmp_path):
     assert "draft" in runs[1]["round_ms"]
     if shutil.which("py-spy"):
         assert all(run["services"]["verifier"] for run in runs)
+
+
+def test_service_profile_traces_rounds_under_torchs_profiler(tmp_path):
+    """With --torch-trace, the verifier traces its rounds in both modes and the drafter its rounds when they
+    draft: each run holds their timelines, and the traces are kept beside it."""
+    from treeserve.bench.service_profile import main
+    from treeserve.round_traces import TRACE_DIR_ENV, TRACED_ROUNDS
+
+    target = tiny_models.write_hf_folder("qwen3", tmp_path / "model", seed=0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "one two three one two three", "chat": False}))
+    out = tmp_path / "out"
+    assert main(["--target", str(target), "--drafter", "ngram", "--prompts", str(prompts), "--concurrency", "2",
+                 "--seconds", "2", "--max-new-tokens", "16", "--torch-trace", "--out-dir", str(out)]) == 0
+    assert TRACE_DIR_ENV not in os.environ
+    plain, speculative = json.loads((out / "profile.json").read_text())["runs"]
+    assert set(plain["timelines"]) == {"verifier"} and set(speculative["timelines"]) == {"verifier", "drafter"}
+    for timeline in (plain["timelines"]["verifier"], *speculative["timelines"].values()):
+        assert 0 < timeline["rounds"] <= TRACED_ROUNDS and timeline["host_ms"] > 0
+    assert sorted(path.name for path in out.glob("*-trace.json.gz")) == [
+        "plain-c2-verifier-trace.json.gz", "speculative-c2-drafter-trace.json.gz",
+        "speculative-c2-verifier-trace.json.gz"]
+
+
+def test_round_traces_hold_the_rounds_between_arming_and_finishing(tmp_path):
+    """Off until armed; then each round marked in the trace, written after its cap of rounds or when finished
+    early (after the round under way), and off again."""
+    import torch
+
+    from treeserve.round_traces import RoundTraces, read_events, timeline_of
+
+    def rounds(traces, count):
+        for _ in range(count):
+            with traces.round():
+                torch.ones(4).add_(1)
+
+    assert RoundTraces("test", folder="").round() is RoundTraces("test", folder="").round()  # (unset: nothing)
+    traces = RoundTraces("test", folder=str(tmp_path), rounds=3)
+    rounds(traces, 2)
+    assert not list(tmp_path.iterdir())
+    traces.arm()
+    rounds(traces, 5)
+    (first,) = tmp_path.iterdir()
+    assert len(timeline_of(read_events(first))) == 3 and traces.profiler is None
+    traces.arm()
+    rounds(traces, 1)
+    with traces.round():
+        traces.finish()
+    second = next(path for path in tmp_path.iterdir() if path != first)
+    assert len(timeline_of(read_events(second))) == 2
+    traces.finish()  # (none under way: nothing)
+    assert len(list(tmp_path.iterdir())) == 2
 
 
 def test_service_profile_reads_py_spy_stacks(tmp_path):

@@ -4,8 +4,14 @@ For each tree size limit (the drafter's max budget) and batch size, requests wit
 each take rounds of --new-tokens accepted tokens: the host time of each step of a round, each step timed on its
 own (the device synchronised before and after it), and the device time of one replay of the block graph
 (context write and block forward) and of the tree search's at the round's width (the narrowest that holds
---budget) and at the widest. Trees and their cost do not depend on the features' values, so the features are
-random; the target supplies the embedding and the LM head. Medians over --repeats, in ms.
+--budget) and at the widest, with the host time of each replay's call (`*_launch`). Trees and their cost do not
+depend on the features' values, so the features are random; the target supplies the embedding and the LM head.
+Medians over --repeats, in ms.
+
+With --trace DIR, each cell then records --trace-rounds DFlash proposals under torch's profiler: a
+Chrome trace per cell in DIR, and per cell in the results the medians of what a proposal's timeline holds (its
+host span, the device's busy time within it, when the device's first work began, and the CUDA runtime calls by
+name), which tell the host's share of a round from the device's.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from treeserve.errors import TreeserveError
 
 STEPS = ("extend", "propose_merged", "propose", "block_and_trees", "trees_to_host")
 DEVICE_STEPS = ("block_device", "search_device", "search_device_widest")  # replays, timed on the GPU
+LAUNCH_STEPS = ("block_launch", "search_launch", "search_launch_widest")  # the same replays' calls, on the host
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,6 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=4, help="tokens each round adds (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=30, help="rounds timed per cell (default %(default)s)")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
+    parser.add_argument("--trace", type=Path, help="record each cell's proposals under torch's profiler into this "
+                                                   "folder")
+    parser.add_argument("--trace-rounds", type=int, default=10, help="proposals traced per cell (default %(default)s)")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
     try:
@@ -49,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--batches, --new-tokens and --repeats must be positive, --context at least 2")
     if not 0 <= args.budget <= min(args.max_budgets):
         parser.error("--budget must be between 0 and the smallest --max-budgets")
+    if args.trace and args.trace_rounds < 1:
+        parser.error("--trace-rounds must be positive")
     return args
 
 
@@ -89,7 +101,7 @@ def profile_cell(merged, batch: int, args, torch) -> dict:
     extend_all(args.context)
     merged.propose(contexts, budgets)  # first use: kernels compile, shapes warm up
     width = dflash.width_for(args.budget)
-    times: dict[str, list[float]] = {step: [] for step in (*STEPS, *DEVICE_STEPS)}
+    times: dict[str, list[float]] = {step: [] for step in (*STEPS, *DEVICE_STEPS, *LAUNCH_STEPS)}
     for _ in range(args.repeats):
         times["extend"].append(extend_all(args.new_tokens))
         times["propose_merged"].append(timed(lambda: merged.propose(contexts, budgets)))
@@ -100,29 +112,59 @@ def profile_cell(merged, batch: int, args, torch) -> dict:
         times["block_and_trees"].append(timed(
             lambda: packed.append(dflash._trees(dflash._run_block(inner, budgets), width)[:batch])))
         times["trees_to_host"].append(timed(lambda: unpack_trees([c.tokens[-1] for c in inner], packed[0].tolist())))
-        device_seconds = replay_seconds(dflash, batch, width, torch) if cuda else (0.0,) * len(DEVICE_STEPS)
-        for step, seconds in zip(DEVICE_STEPS, device_seconds):
+        replays = replay_seconds(dflash, batch, width, torch) if cuda else (0.0,) * 2 * len(DEVICE_STEPS)
+        for step, seconds in zip(DEVICE_STEPS + LAUNCH_STEPS, replays):
             times[step].append(seconds)
+    result = {step: round(statistics.median(values) * 1000, 3) for step, values in times.items()}
+    if args.trace:
+        def one_round():
+            extend_all(args.new_tokens)
+            sync()
+            with torch.profiler.record_function("propose"):
+                dflash.propose(inner, budgets)
+            sync()
+
+        path = args.trace / f"trace-max{dflash.max_budget}-batch{batch}.json.gz"
+        result["timeline"] = traced_rounds(one_round, args.trace_rounds, path, cuda, torch)
     for context in contexts:
         merged.release(context)
-    return {step: round(statistics.median(values) * 1000, 3) for step, values in times.items()}
+    return result
+
+
+def traced_rounds(one_round, rounds: int, path: Path, cuda: bool, torch) -> dict:
+    """Run `one_round` (which marks its proposal "propose") `rounds` times under torch's profiler; writes the
+    Chrome trace to `path` (gzipped) and returns the medians of what each proposal's timeline holds."""
+    from treeserve.round_traces import timeline_medians, timeline_of, write_gzipped_events
+
+    activities = [torch.profiler.ProfilerActivity.CPU, *([torch.profiler.ProfilerActivity.CUDA] if cuda else [])]
+    one_round()  # outside the trace: the profiler's own first-use costs stay out of it
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(rounds):
+            one_round()
+    raw = path.with_suffix("")
+    profiler.export_chrome_trace(str(raw))
+    return timeline_medians(timeline_of(write_gzipped_events(raw, path), "propose"))
 
 
 def replay_seconds(dflash, batch: int, width: int, torch) -> tuple[float, ...]:
     """Device time of one replay of the block graph that holds `batch` requests, then of its bucket's search
-    graph at `width` and at the widest (DEVICE_STEPS)."""
+    graph at `width` and at the widest (DEVICE_STEPS); then the host time of each replay's call, the device idle
+    before it (LAUNCH_STEPS)."""
     bucket = dflash.runner.bucket(batch, dflash.model.config.block_size)
     graphs = (dflash.runner.graphs[bucket], dflash.search_graphs[(bucket[0], width)],
               dflash.search_graphs[(bucket[0], dflash.tree_widths[-1])])
-    seconds = []
+    device, host = [], []
     for captured in graphs:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
         start.record()
+        called = time.perf_counter()
         captured.graph.replay()
+        host.append(time.perf_counter() - called)
         end.record()
         end.synchronize()
-        seconds.append(start.elapsed_time(end) / 1000)
-    return tuple(seconds)
+        device.append(start.elapsed_time(end) / 1000)
+    return (*device, *host)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         from treeserve.loading import load_target
 
         target = load_target(args.target, device=args.device, dtype=args.dtype)
+        if args.trace:
+            args.trace.mkdir(parents=True, exist_ok=True)
         rows = []
         for max_budget in args.max_budgets:
             merged = load_drafter("merged", args.drafter_path, target=target, device=args.device, dtype=args.dtype,

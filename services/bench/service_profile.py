@@ -5,6 +5,13 @@ speculative) for --seconds. Meanwhile it scrapes the verifier's round phases and
 samples every service's threads (idle ones included, so a wait shows as the frame it waits in). Writes, per
 concurrency and mode, the raw py-spy stacks and a summary JSON: tok/s, the verifier's ms per round by phase, and
 per service and thread the functions that hold the most samples (their own, and with what they call).
+
+With --torch-trace, torch's profiler replaces py-spy: once the load is steady, the verifier and the drafter each
+trace their next rounds (treeserve.round_traces), and each run's summary holds, per service, the medians of a
+round's timeline: its host span, the device's busy time, when the device's first work began and its last ended,
+and the CUDA runtime calls by name. The traces themselves (Chrome format, gzipped) stay in --out-dir. The
+profiler slows the services' host work several times over, the traced runs' tok/s and phases with it: a trace
+says where a round's time goes and what the device does meanwhile, not how fast the stack is.
 """
 
 from __future__ import annotations
@@ -13,7 +20,9 @@ import argparse
 import asyncio
 import collections
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -47,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--seconds", type=float, default=5.0, help="sampled stretch of each run (default 5)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rate", type=int, default=1000, help="py-spy samples a second (default 1000)")
+    p.add_argument("--torch-trace", action="store_true",
+                   help="trace the verifier's and the drafter's rounds under torch's profiler instead of py-spy")
     p.add_argument("--metrics-port", type=int, default=9464)
     p.add_argument("--start-timeout-s", type=float, default=600)
     args = p.parse_args(argv)
@@ -143,6 +154,43 @@ def summarize_stacks(path: Path) -> dict:
             for thread, entry in sorted(threads.items(), key=lambda item: -item[1]["samples"])}
 
 
+def trace_services(pids: dict[str, int]):
+    """Have each service trace its rounds from now (round_traces); returns the function that ends the traces."""
+    for pid in pids.values():
+        os.kill(pid, signal.SIGUSR1)
+
+    def stop():
+        for pid in pids.values():
+            os.kill(pid, signal.SIGUSR2)
+    return stop
+
+
+def new_traces(folder: Path, before: set[Path], wanted: int, timeout_s: float = 30.0) -> set[Path]:
+    """The traces written in `folder` since `before`, once `wanted` of them are there (a service writes its trace
+    after its last traced round), or what is there after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = set(folder.glob("*.json.gz")) - before
+        if len(found) >= wanted or time.monotonic() > deadline:
+            if len(found) < wanted:
+                print(f"service_profile: {len(found)} of {wanted} traces written", file=sys.stderr)
+            return found
+        time.sleep(0.2)
+
+
+def summarize_traces(paths: set[Path], prefix: Path) -> dict:
+    """Per service, the medians of its traced rounds' timelines (round_traces.timeline_medians), each trace
+    renamed after the run (`prefix`) it belongs to."""
+    from treeserve.round_traces import read_events, timeline_medians, timeline_of
+
+    timelines = {}
+    for path in sorted(paths):
+        service = path.name.split("-")[0]
+        timelines[service] = timeline_medians(timeline_of(read_events(path)))
+        path.rename(prefix.with_name(f"{prefix.name}-{service}-trace.json.gz"))
+    return timelines
+
+
 def main(argv=None) -> int:
     from treeserve.bench.load import build_requests
     from treeserve.bench.stack_bench import DRAFTER_CONFIGS
@@ -150,14 +198,16 @@ def main(argv=None) -> int:
     from treeserve.cli.launcher import Stack, start_stack
     from treeserve.params import GenerationParams
     from treeserve.prompt_sets import WORKLOADS, read_prompts
+    from treeserve.round_traces import TRACE_DIR_ENV
     from treeserve.telemetry import round_phase_means, round_totals
 
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    py_spy = shutil.which("py-spy")
-    if py_spy is None:
+    py_spy = None if args.torch_trace else shutil.which("py-spy")
+    if py_spy is None and not args.torch_trace:
         print("service_profile: py-spy not found; recording round phases only", file=sys.stderr)
+    traces = out_dir / "traces"
     kind, tree = DRAFTER_CONFIGS[args.drafter]
     up = up_settings("--target", args.target, "--drafter", kind, "--tree", tree, "--budget", str(args.budget),
                      "--device", args.device, "--dtype", args.dtype, "--speculation", args.speculation,
@@ -171,6 +221,8 @@ def main(argv=None) -> int:
     report = {"command": command, "drafter": args.drafter, "budget": args.budget, "speculation": args.speculation,
               "device": args.device,
               "dtype": args.dtype, "prompts": args.prompts or args.workload, "py_spy": py_spy is not None, "runs": []}
+    if args.torch_trace:  # (the services read it as they start)
+        os.environ[TRACE_DIR_ENV] = str(traces.resolve())
     try:
         gateway = start_stack(stack, up)
         pids = {name: process.pid for name, (process, _, _) in stack.children.items()}
@@ -180,9 +232,13 @@ def main(argv=None) -> int:
                 requests = build_requests(prompts, max(len(prompts), concurrency), params, speculate, args.budget)
                 prefix = out_dir / f"{mode}-c{concurrency}"
                 snapshots = []
+                traced_before = set(traces.glob("*.json.gz"))
+                traced = ("verifier", "drafter") if speculate else ("verifier",)
 
                 def on_warm():
                     snapshots.append(round_totals(up.verifier_metrics))
+                    if args.torch_trace:  # (a plain round asks the drafter nothing)
+                        return trace_services({name: pids[name] for name in traced})
                     return start_samplers(py_spy, pids, args.seconds, args.rate, prefix)
 
                 print(f"== {mode}, {concurrency} in flight", file=sys.stderr, flush=True)
@@ -195,10 +251,14 @@ def main(argv=None) -> int:
                        "rounds": int(rounds), "round_ms": round_phase_means(snapshots[0], after),
                        "services": {name: summarize_stacks(prefix.with_name(f"{prefix.name}-{name}.txt"))
                                     for name in pids}}
+                if args.torch_trace:
+                    run["timelines"] = summarize_traces(new_traces(traces, traced_before, len(traced)), prefix)
                 print(f"   {run['tokens_per_s']} tok/s, round ms {run['round_ms']}", file=sys.stderr, flush=True)
                 report["runs"].append(run)
     finally:
         stack.stop(up.grace_s)
+        if args.torch_trace:
+            os.environ.pop(TRACE_DIR_ENV, None)
     out = out_dir / "profile.json"
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")

@@ -39,6 +39,7 @@ async def serve(args: DrafterSettings) -> None:
     except BaseException:
         await serving.abandon(service)
         raise
+    servicer.round_traces.listen()
     await service.ready()
     log.info("drafter %s (max budget %d) serving on %s%s", args.kind, args.max_budget, service.address,
              f" (and Draft streams as frames on {servicer.frames.path})" if servicer.frames.path else "")

@@ -19,6 +19,7 @@ from opentelemetry import trace
 from treeserve import framing, serving
 from treeserve.errors import TreeserveError
 from treeserve.feature_region import MappedRegion
+from treeserve.round_traces import RoundTraces
 from treeserve.telemetry import DrafterMetrics, Tracing
 from treeserve.tree import MAX_BUDGET, DraftContext, Drafter, DraftPoolFull, DraftTree
 from treeserve.v1 import drafter_pb2, drafter_pb2_grpc
@@ -47,6 +48,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.tracing = tracing or Tracing.off()
         self.metrics = metrics or DrafterMetrics()
         self.frames = framing.FrameServer(self.serve_frames)  # Draft streams as frames, where it listens for them
+        self.round_traces = RoundTraces("drafter")  # torch profiler traces of rounds, for benches
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         """For serving.start: add this servicer and name it for reflection."""
@@ -130,7 +132,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         def answer(request: drafter_pb2.DraftRequest, region: MappedRegion | None = None) -> drafter_pb2.DraftResponse:
             started, held = time.perf_counter(), len(contexts)
             reply = drafter_pb2.DraftResponse(round=request.round)
-            self.draft_round(request, contexts, dropped, reply.trees, region)
+            with self.round_traces.round():
+                self.draft_round(request, contexts, dropped, reply.trees, region)
             reply.propose_seconds = elapsed = time.perf_counter() - started
             self.metrics.contexts.inc(len(contexts) - held)
             self.metrics.rounds.inc()

@@ -79,6 +79,7 @@ async def serve(args, shard=None, followers=()) -> None:
         if adaptive is not None:  # what each tree size adds, known from the start
             for (batch, rows), seconds in (await on_compute(verifier.time_graphs)).items():
                 adaptive.costs.observe_graph(batch, rows, seconds)
+    scheduler.round_traces.listen()
     scheduler_task = asyncio.ensure_future(scheduler.run())
     await service.ready()
     log.info("verifier ready: %s on %s, drafters: %s", args.target, args.device,

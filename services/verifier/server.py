@@ -21,6 +21,7 @@ from opentelemetry import trace
 from treeserve import framing, serving
 from treeserve.errors import RequestFailed, TreeserveError
 from treeserve.loading import LoadedModel
+from treeserve.round_traces import RoundTraces
 from treeserve.telemetry import Tracing, VerifierMetrics
 from treeserve.tree import MAX_BUDGET
 from treeserve.v1 import verifier_pb2, verifier_pb2_grpc
@@ -57,6 +58,7 @@ class Scheduler:
         self.runner = TargetRunner(target.model, verifier, compute or ThreadPoolExecutor(1, "verifier-compute"))
         self.speculation = speculation or FixedSpeculation()
         self.tracing = tracing or Tracing.off()
+        self.round_traces = RoundTraces("verifier")  # torch profiler traces of rounds, for benches
         self.metrics = metrics or VerifierMetrics()
         self.waiting: dict[str, Running] = {}
         self.running: dict[str, Running] = {}
@@ -169,7 +171,8 @@ class Scheduler:
                 await self._reconnect()
                 spans = self._round_spans()
                 carriers = {request_id: self.tracing.carrier(span) for request_id, span in spans.items()}
-                report = await speculative_round(self.running, self.speculation, self.runner, carriers)
+                with self.round_traces.round():
+                    report = await speculative_round(self.running, self.speculation, self.runner, carriers)
                 self._observe(report, spans, started)
             except RankLost as error:
                 self.lose(error)
