@@ -83,10 +83,3 @@ def tree_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.
         attended = scores.softmax(dim=-1) @ v.transpose(0, 1)[:, None]  # (KVH, group, size, D)
         out[b, :size] = attended.permute(2, 0, 1, 3).reshape(size, heads, head_dim)
     return out.to(q.dtype)
-
-
-def vocab_top_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's top k log-probabilities (float32, descending) and their tokens, of logits (..., V): log-softmax
-    over the logits upcast to float32, then topk."""
-    top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    return top.values, top.indices

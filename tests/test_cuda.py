@@ -175,12 +175,11 @@ def test_regeneration_from_a_graph_equals_eager_decoding(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dflash_trees_from_graphs_equal_the_pytorch_search(dtype, tree):
     """On a GPU the DFlash drafter searches its trees in one Triton launch, replayed from a graph per (batch bucket,
-    width): from the same block logits' top lists, the packed trees of the PyTorch search, at every width (a
+    width): from the same block log-probabilities, the packed trees of the PyTorch search, at every width (a
     chain's: each position's top token, one width)."""
     from random_targets import random_dflash_drafter, target_features
     from treeserve.drafter.dflash import DFlashDrafter
     from treeserve.drafter.trees import ddtree_select
-    from treeserve.kernels.vocab_top import vocab_top
 
     cpu_target = random_target("qwen3", seed=3, vocab_size=VOCAB, weight_scale=2.0)
     model = random_dflash_drafter(cpu_target, tree, block_size=16).model.to("cuda", dtype)
@@ -196,12 +195,12 @@ def test_dflash_trees_from_graphs_equal_the_pytorch_search(dtype, tree):
         drafter.extend(context, tokens, target_features(target, tokens[:-1], drafter.feature_layer_ids))
         contexts.append(context)
     for budgets in ([16, 3, 1], [32, 32, 0], [64, 5, 64], [128, 100, 7]):
-        logits = drafter._run_block(contexts, budgets)
+        log_probs = drafter._run_block(contexts, budgets)
         width = drafter.width_for(max(budgets))
-        packed = drafter._trees(logits, width)[:len(contexts)]
+        packed = drafter._trees(log_probs, width)[:len(contexts)]
         assert drafter.search_graphs and drafter.runner.last_bucket is not None  # replayed from graphs
-        log_probs, tokens = vocab_top(logits[:len(contexts), 1:], min(width, drafter.top_k))
-        want, _ = ddtree_select(log_probs, tokens, torch.tensor(budgets, device="cuda"), width)
+        top = log_probs[:len(contexts), 1:].topk(min(width, drafter.top_k), dim=-1)
+        want, _ = ddtree_select(top.values, top.indices, torch.tensor(budgets, device="cuda"), width)
         assert torch.equal(packed, want), width
 
 

@@ -466,17 +466,17 @@ def test_oracle_block_distributions_give_long_accepted_paths_and_the_same_tokens
     plain = generate(target, tokenizer, prompt, params).token_ids
     truth = prompt + plain
     drafter = random_dflash_drafter(target, "ddtree")
-    real = drafter.row_logits
+    real = drafter.row_log_probs
     block = drafter.model.config.block_size
 
     def oracle(rows):
-        logits = real(rows).clone()
+        log_probs = real(rows).clone()
         for row, position in enumerate(rows.positions.tolist()):
             if row % block and position < len(truth):  # a drafted position (the root's row is committed)
-                logits[row, truth[position]] = logits[row].max() + 30  # the likeliest token by far
-        return logits
+                log_probs[row, truth[position]] = 0.0  # the likeliest token by far
+        return log_probs
 
-    monkeypatch.setattr(drafter, "row_logits", oracle)
+    monkeypatch.setattr(drafter, "row_log_probs", oracle)
     result = generate(target, tokenizer, prompt, params, drafter, budget=8)
     assert result.token_ids == plain
     assert result.mean_accepted > 4

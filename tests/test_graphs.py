@@ -351,7 +351,7 @@ def path_scores(tree, log_probs: torch.Tensor) -> list[float]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dflash_search_graphs_equal_eager_at_every_width(dtype):
     """Every (batch bucket, tree width) search graph replays, bit for bit, what the eager search computes from the
-    same block logits (padding requests included), and at every width that holds the budgets the
+    same block log-probabilities (padding requests included), and at every width that holds the budgets the
     trees are the widest's (in bfloat16, up to the order of tied tokens), budgets filled; the pool ends empty."""
     from random_targets import random_dflash_drafter, target_features
     from treeserve.drafter.dflash import DFlashDrafter
@@ -379,14 +379,13 @@ def test_dflash_search_graphs_equal_eager_at_every_width(dtype):
         roots = [context.tokens[-1] for context in contexts]
         for width in widths:
             budgets = [width] + [rng.randint(0, width) for _ in range(batch - 1)]
-            logits = drafter._run_block(contexts, budgets)
+            log_probs = drafter._run_block(contexts, budgets)
             assert drafter.runner.last_bucket == (bucket, block)
-            got = drafter._trees(logits, width).clone()
-            assert torch.equal(got, drafter._search(logits, width)[0])  # eager, on the same logits
+            got = drafter._trees(log_probs, width).clone()
+            assert torch.equal(got, drafter._search(log_probs, width)[0])  # eager, on the same log-probabilities
             trees = unpack_trees(roots, got[:batch].tolist())
             assert [tree.size - 1 for tree in trees] == budgets
-            widest = unpack_trees(roots, drafter._trees(logits, widths[-1])[:batch].tolist())
-            log_probs = torch.log_softmax(logits.float(), dim=-1)
+            widest = unpack_trees(roots, drafter._trees(log_probs, widths[-1])[:batch].tolist())
             if dtype == torch.float32:
                 assert trees == widest, width
             else:  # bfloat16 ties log-probabilities often, and a narrower top-k may order tied tokens otherwise

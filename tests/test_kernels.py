@@ -14,12 +14,11 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 from treeserve.kernels.references import (  # noqa: E402
     add_rms_norm_reference, kv_move_reference, kv_write_reference, rms_norm_reference, rope_reference,
-    silu_mul_reference, tree_attention_reference, vocab_top_reference)
+    silu_mul_reference, tree_attention_reference)
 from treeserve.kernels.rms_norm import add_rms_norm, rms_norm  # noqa: E402
 from treeserve.kernels.rope import rope  # noqa: E402
 from treeserve.kernels.silu_mul import silu_mul  # noqa: E402
 from treeserve.kernels.tree_attention import tree_attention  # noqa: E402
-from treeserve.kernels.vocab_top import vocab_top  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -469,32 +468,3 @@ def test_prefill_warm_up_leaves_the_pool_as_it_was(monkeypatch):
     torch.testing.assert_close(paged.data.flatten(2, 3)[:, :, slots], before.flatten(2, 3)[:, :, slots],
                                atol=0, rtol=0)
     assert not torch.equal(paged.data, before)  # it did write (into blocks it freed again)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k", [1, 16, 64])
-def test_vocab_top_equals_reference(dtype, k):
-    """Top-k log-probabilities and tokens of strided rows (a block's positions after its root) over a vocabulary
-    that is not a whole number of chunks, some tokens at -inf: the reference's values; its tokens in float32,
-    where logits do not tie, and in bfloat16 tokens whose own log-probabilities are those values."""
-    g = torch.Generator().manual_seed(k)
-    logits = (torch.randn(2, 4, 300, generator=g) * 4).to(dtype)
-    logits[0, 2, :150] = float("-inf")
-    rows = logits.to(DEVICE)[:, 1:]
-    want_values, want_tokens = vocab_top_reference(rows, k)
-    got_values, got_tokens = vocab_top(rows, k, chunk=64)
-    assert got_values.dtype == torch.float32 and got_tokens.dtype == torch.int64
-    assert got_values.shape == got_tokens.shape == (2, 3, k)
-    torch.testing.assert_close(got_values, want_values, atol=1e-5, rtol=0)
-    if dtype == torch.float32:
-        assert torch.equal(got_tokens, want_tokens)
-    own = torch.log_softmax(rows.float(), dim=-1).gather(-1, got_tokens)
-    torch.testing.assert_close(own, want_values, atol=1e-5, rtol=0)
-    assert all(len(set(row)) == k for row in got_tokens.flatten(0, 1).tolist())
-    flat_values, flat_tokens = vocab_top(rows.flatten(0, 1).contiguous(), k, chunk=64)  # plain rows
-    assert torch.equal(flat_values, got_values.flatten(0, 1)) and torch.equal(flat_tokens, got_tokens.flatten(0, 1))
-
-
-def test_vocab_top_refuses_k_beyond_a_chunk():
-    with pytest.raises(ValueError, match="k must be"):
-        vocab_top(torch.zeros(2, 100, device=DEVICE), 65, chunk=64)

@@ -77,8 +77,8 @@ class StubReplays:
         runner, block = dflash.runner, dflash.model.config.block_size
         runner.static = runner._allocate_static()
         for batch, _ in runner.buckets:
-            logits = torch.zeros(batch * block, 1)  # (the search's input on a GPU: never read here)
-            runner.graphs[(batch, block)] = CapturedGraph(types.SimpleNamespace(replay=self._block), (logits,))
+            log_probs = torch.zeros(batch * block, 1)  # (the search's input on a GPU: never read here)
+            runner.graphs[(batch, block)] = CapturedGraph(types.SimpleNamespace(replay=self._block), (log_probs,))
             for width in dflash.tree_widths:
                 packed = torch.zeros(batch, 1 + 2 * width, dtype=torch.long)
                 replay = self._search(packed, dflash.inputs.host_budgets, trees_by_budget, width)

@@ -36,7 +36,6 @@ from torch import nn
 from treeserve.drafter.trees import (ddtree_select, ddtree_select_kernel, kernel_tables, possible_nodes, search_plan,
                                      unpack_trees)
 from treeserve.errors import TreeserveError
-from treeserve.kernels.references import vocab_top_reference
 from treeserve.loading.hf_folder import config_from_hf, read_json, safetensors_reader
 from treeserve.loading.weights import checkpoint_state, fill_parameters
 from treeserve.models import ModelConfig
@@ -416,8 +415,8 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def _capture_searches(self) -> None:
-        """A search graph per (batch bucket, tree width), reading its bucket's block graph's logits, into the block
-        graphs' memory pool (a round replays one after the other, never both at once)."""
+        """A search graph per (batch bucket, tree width), reading its bucket's block graph's log-probabilities,
+        into the block graphs' memory pool (a round replays one after the other, never both at once)."""
         block, device = self.model.config.block_size, self.model.device
         self.search_graphs.clear()
         self.search_plans = [search_plan(block - 1, min(width, self.top_k), width, device)
@@ -427,9 +426,9 @@ class DFlashDrafter:
                                   for width in self.tree_widths]
         with cycle_collection_paused():
             for batch, rows in sorted(self.runner.graphs, reverse=True):
-                logits = self.runner.graphs[(batch, rows)].outputs[0].view(batch, rows, -1)
+                log_probs = self.runner.graphs[(batch, rows)].outputs[0].view(batch, rows, -1)
                 for width in reversed(self.tree_widths):
-                    captured = capture_graph(functools.partial(self._search, logits, width),
+                    captured = capture_graph(functools.partial(self._search, log_probs, width),
                                              self.runner.memory_pool)
                     self.runner.memory_pool = captured.graph.pool()
                     self.search_graphs[(batch, width)] = captured
@@ -499,56 +498,52 @@ class DFlashDrafter:
         self.inputs.stage(budgets, [part for context in contexts for part in self._take_unwritten(context)])
 
     def _block_forward(self, rows: TreeRows) -> tuple[torch.Tensor]:
-        """Logits (rows, vocab) of every block row, after writing the round's context rows: the forward the block
-        graphs capture."""
+        """Log-probabilities (rows, vocab) of every block row, after writing the round's context rows: the
+        forward the block graphs capture."""
         staged = slice(0, rows.paged.batch * self.staged_rows)
         inputs = self.inputs
         self.model.write_context(self.pool, inputs.slots[staged], inputs.positions[staged],
                                  inputs.features[staged], self.kernels)
-        return (self.row_logits(rows),)
+        return (self.row_log_probs(rows),)
 
-    def _search(self, logits: torch.Tensor, width: int) -> tuple[torch.Tensor]:
-        """Each request's tree from its block logits (B, block_size, vocab), packed as trees.ddtree_select packs
-        it, searched `width` wide: the work the search graphs capture. On a GPU each position's top tokens and
-        their log-probabilities come from the logits as stored (treeserve.kernels.vocab_top) and the search is one
-        Triton launch (treeserve.kernels.ddtree_search), the same trees."""
-        if self.kernels:
-            from treeserve.kernels.vocab_top import vocab_top as top  # Triton: only where the kernels run
-        else:
-            top = vocab_top_reference
-        log_probs, tokens = top(logits[:, 1:], min(width, self.top_k))  # the positions after each root
+    def _search(self, log_probs: torch.Tensor, width: int) -> tuple[torch.Tensor]:
+        """Each request's tree from its block log-probabilities (B, block_size, vocab), packed as
+        trees.ddtree_select packs it, searched `width` wide: the work the search graphs capture. On a GPU the
+        search is one Triton launch (treeserve.kernels.ddtree_search), the same trees."""
+        drafted = log_probs[:, 1:]  # the positions after each root
+        top = drafted.topk(min(width, self.top_k), dim=-1)
         search = ddtree_select_kernel if self.kernels else ddtree_select
-        packed, _ = search(log_probs, tokens, self.inputs.budgets[:logits.shape[0]], width)
+        packed, _ = search(top.values, top.indices, self.inputs.budgets[:log_probs.shape[0]], width)
         return (packed,)
 
-    def row_logits(self, rows: TreeRows) -> torch.Tensor:
-        """The drafter's logits (rows, vocab) at every block row, in its dtype."""
+    def row_log_probs(self, rows: TreeRows) -> torch.Tensor:
+        """The drafter's log-probabilities (rows, vocab) at every block row."""
         embeddings = F.embedding(rows.tokens, self.embedding).to(self.model.dtype)
         hidden = self.model(embeddings, rows.positions, PagedAttention(self.pool, rows.paged, kernels=self.kernels))
-        return hidden @ self.lm_head.T.to(hidden.dtype)
+        return torch.log_softmax((hidden @ self.lm_head.T.to(hidden.dtype)).float(), dim=-1)
 
     @torch.inference_mode()
     def _run_block(self, contexts: list[DFlashRequest], budgets: list[int]) -> torch.Tensor:
         """The block forward of these contexts (at most max_batch), their budgets staged for the search: the
-        logits (B', block_size, vocab), B' >= B their batch bucket's (the rows past B are padding)."""
+        log-probabilities (B', block_size, vocab), B' >= B their batch bucket's (the rows past B are padding)."""
         self._stage_round(contexts, budgets)
         block, mask_token = self.model.config.block_size, self.model.config.mask_token_id
         sequences = [context.sequence for context in contexts]
-        logits, = self.runner.run(
+        log_probs, = self.runner.run(
             sequences, [[context.tokens[-1]] + [mask_token] * (block - 1) for context in contexts],
             [np.arange(s.length, s.length + block) for s in sequences], [self.block_mask] * len(contexts))
         for sequence in sequences:
             sequence.commit(0)  # the block's own keys and values are never context
-        return logits
+        return log_probs
 
     @torch.inference_mode()
-    def _trees(self, logits: torch.Tensor, width: int) -> torch.Tensor:
-        """The packed trees (B', 1 + 2 * width) of the last block forward, whose logits are `logits`: from the
-        search graph of its bucket where it replayed one, else eagerly."""
+    def _trees(self, log_probs: torch.Tensor, width: int) -> torch.Tensor:
+        """The packed trees (B', 1 + 2 * width) of the last block forward, whose log-probabilities are
+        `log_probs`: from the search graph of its bucket where it replayed one, else eagerly."""
         bucket = self.runner.last_bucket
         captured = self.search_graphs.get((bucket[0], width)) if bucket is not None else None
         if captured is None:
-            return self._search(logits, width)[0]
+            return self._search(log_probs, width)[0]
         captured.graph.replay()
         return captured.outputs[0]
 
@@ -557,10 +552,10 @@ class DFlashDrafter:
         return next(width for width in self.tree_widths if width >= min(budget, self.tree_width))
 
     def block_log_probs(self, contexts: list[DFlashRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Roots (B,) and log-probabilities (B, block_size - 1, vocab, float32) for the positions after each root."""
-        logits = self._run_block(contexts, [0] * len(contexts))[:len(contexts), 1:]
+        """Roots (B,) and log-probabilities (B, block_size - 1, vocab) for the positions after each root."""
+        log_probs = self._run_block(contexts, [0] * len(contexts))[:len(contexts)]
         roots = torch.tensor([context.tokens[-1] for context in contexts], device=self.model.device)
-        return roots, torch.log_softmax(logits.float(), dim=-1)
+        return roots, log_probs[:, 1:]
 
     def propose(self, contexts: list[DFlashRequest], budgets: list[int]) -> list[DraftTree]:
         outside = [budget for budget in budgets if not 0 <= budget <= self.max_budget]
@@ -572,8 +567,8 @@ class DFlashDrafter:
         trees, step = [], self.runner.max_batch
         for start in range(0, len(contexts), step):
             chunk, chunk_budgets = contexts[start:start + step], list(budgets[start:start + step])
-            logits = self._run_block(chunk, chunk_budgets)
-            packed = self._trees(logits, self.width_for(max(chunk_budgets)))[:len(chunk)].tolist()
+            log_probs = self._run_block(chunk, chunk_budgets)
+            packed = self._trees(log_probs, self.width_for(max(chunk_budgets)))[:len(chunk)].tolist()
             # (reading the trees back waited for the device: every copy in before them has been made)
             self.inputs.settled()
             self.runner.staging_copies.settled()
