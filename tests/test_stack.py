@@ -96,3 +96,36 @@ def test_up_refuses_bad_flags_before_starting_anything(tmp_path, flags, message)
     done = treeserve("up", "--target", "no-such-model-is-loaded", "--runtime-dir", str(runtime), *flags)
     assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr
     assert not list(runtime.glob("*.log"))  # no service was started
+
+
+def test_a_process_that_started_services_stops_them_when_sent_sigterm(tmp_path):
+    """A bench killed by SIGTERM (as `timeout` kills it) still stops the services it started: they run in sessions
+    of their own, and would otherwise outlive it holding their sockets and ports."""
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from treeserve.cli.launcher import Stack\n"
+        "stack = Stack(Path(sys.argv[1]))\n"
+        "try:\n"
+        "    stack.start('drafter', ['--kind', 'ngram'])\n"
+        "    stack.wait_serving(60)\n"
+        "    print(stack.children['drafter'][0].pid, flush=True)\n"
+        "    while True:\n"  # (short sleeps: a signal another thread takes wakes no long one)
+        "        time.sleep(0.1)\n"
+        "finally:\n"
+        "    stack.stop(1)\n")
+    bench = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        drafter_pid = int(bench.stdout.readline())
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        bench.kill()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{drafter_pid}"):
+        time.sleep(0.1)
+    outlived = os.path.exists(f"/proc/{drafter_pid}")
+    if outlived:
+        os.kill(drafter_pid, signal.SIGKILL)
+    assert not outlived, "the drafter outlived the process that started it"
+    assert not list(tmp_path.glob("*.sock"))

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -49,6 +50,14 @@ def log_tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
+def stop_on_sigterm() -> None:
+    """Where SIGTERM would kill this process outright (its default), have it raise SystemExit instead, so that
+    the `finally` that stops a Stack runs: the services run in sessions of their own and would outlive a bench
+    stopped by `timeout` or a job runner, holding their sockets and ports. (`treeserve up` handles it itself.)"""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
+
+
 class Stack:
     def __init__(self, runtime: Path):
         self.runtime = runtime
@@ -57,6 +66,7 @@ class Stack:
         self.serving: set[str] = set()
 
     def start(self, name: str, args: list[str], restart: bool = False) -> str:
+        stop_on_sigterm()
         address = f"unix://{self.runtime / name}.sock"
         log = self.runtime / f"{name}.log"
         self.argv[name] = args
