@@ -115,17 +115,16 @@ def test_a_process_that_started_services_stops_them_when_sent_sigterm(tmp_path):
         "finally:\n"
         "    stack.stop(1)\n")
     bench = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    drafter_pid = int(bench.stdout.readline())
     try:
-        drafter_pid = int(bench.stdout.readline())
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=30) == 128 + signal.SIGTERM
-    finally:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{drafter_pid}"):
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{drafter_pid}"), "the drafter outlived the process that started it"
+        assert not list(tmp_path.glob("*.sock"))
+    finally:  # (whatever failed, leave nothing running)
         bench.kill()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and os.path.exists(f"/proc/{drafter_pid}"):
-        time.sleep(0.1)
-    outlived = os.path.exists(f"/proc/{drafter_pid}")
-    if outlived:
-        os.kill(drafter_pid, signal.SIGKILL)
-    assert not outlived, "the drafter outlived the process that started it"
-    assert not list(tmp_path.glob("*.sock"))
+        if os.path.exists(f"/proc/{drafter_pid}"):
+            os.kill(drafter_pid, signal.SIGKILL)
