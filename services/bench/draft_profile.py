@@ -134,16 +134,14 @@ def profile_cell(merged, batch: int, args, torch) -> dict:
 def traced_rounds(one_round, rounds: int, path: Path, cuda: bool, torch) -> dict:
     """Run `one_round` (which marks its proposal "propose") `rounds` times under torch's profiler; writes the
     Chrome trace to `path` (gzipped) and returns the medians of what each proposal's timeline holds."""
-    from treeserve.round_traces import timeline_medians, timeline_of, write_gzipped_events
+    from treeserve.round_traces import export_trace, timeline_medians, timeline_of
 
     activities = [torch.profiler.ProfilerActivity.CPU, *([torch.profiler.ProfilerActivity.CUDA] if cuda else [])]
     one_round()  # outside the trace: the profiler's own first-use costs stay out of it
     with torch.profiler.profile(activities=activities) as profiler:
         for _ in range(rounds):
             one_round()
-    raw = path.with_suffix("")
-    profiler.export_chrome_trace(str(raw))
-    return timeline_medians(timeline_of(write_gzipped_events(raw, path), "propose"))
+    return timeline_medians(timeline_of(export_trace(profiler, path), "propose"))
 
 
 def replay_seconds(dflash, batch: int, width: int, torch) -> tuple[float, ...]:

@@ -91,9 +91,7 @@ class RoundTraces:
         profiler.stop()
         path = self.folder / f"{self.service}-{os.getpid()}-{self.written}.json.gz"
         self.written += 1
-        raw = path.with_suffix("")
-        profiler.export_chrome_trace(str(raw))
-        write_gzipped_events(raw, path)
+        export_trace(profiler, path)
         log.info("%s: wrote a trace of %d rounds to %s", self.service, self.traced, path)
         self.traced = 0
 
@@ -101,14 +99,16 @@ class RoundTraces:
 _NOTHING = contextlib.nullcontext()
 
 
-def write_gzipped_events(raw: Path, path: Path) -> list[dict]:
-    """The events of the Chrome trace at `raw`, written gzipped to `path` (`raw` removed); returns them."""
+def export_trace(profiler, path: Path) -> list[dict]:
+    """A stopped torch profiler's Chrome trace, written gzipped to `path`; returns its events."""
+    raw = path.with_name(path.name + ".json")
+    profiler.export_chrome_trace(str(raw))
     events = json.loads(raw.read_text())["traceEvents"]
+    raw.unlink()
     partial = path.with_name(path.name + ".partial")  # renamed once whole: a reader never sees half a trace
     with gzip.open(partial, "wt") as out:
         json.dump({"traceEvents": events}, out)
     partial.rename(path)
-    raw.unlink()
     return events
 
 
