@@ -238,6 +238,30 @@ def test_round_totals_read_a_verifiers_rounds_from_its_metrics():
         "rounds": 2, "expected_tokens": 9.0, "realized_tokens": 8.0, "expected_ms": 2.0, "realized_ms": 3.0}}
 
 
+def test_phase_medians_come_from_the_rounds_between_two_scrapes():
+    """A phase's median, from the histogram's buckets: only the rounds between the scrapes count, and a few slow
+    rounds move the mean but not the median."""
+    metrics = telemetry.VerifierMetrics()
+    draft = metrics.phase_seconds["draft"]
+    for _ in range(9):
+        draft.observe(0.050)  # before the first scrape: not the run's
+    server = telemetry.serve_metrics("127.0.0.1:0", metrics.registry)
+    try:
+        before = telemetry.round_totals(f"127.0.0.1:{server.server_port}")
+        for seconds in [0.00042] * 7 + [0.00048] * 4 + [0.020] * 2:
+            draft.observe(seconds)
+        metrics.phase_seconds["verify"].observe(9.0)  # past the last finite bucket
+        after = telemetry.round_totals(f"127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+    medians, means = telemetry.round_phase_medians(before, after), telemetry.round_phase_means(before, after)
+    # 13 rounds: the 6.5th lies in the (0.4, 0.5] ms bucket, which holds 11, at 6.5 / 11 of its width.
+    assert medians["draft"] == pytest.approx(0.4 + 0.1 * 6.5 / 11, abs=1e-3)
+    assert means["draft"] == pytest.approx((7 * 0.42 + 4 * 0.48 + 2 * 20) / 13, abs=1e-3)
+    assert medians["verify"] == 5000.0  # all one can say: above the last finite bound
+    assert "round" not in medians  # no rounds of it between the scrapes
+
+
 @pytest.mark.parametrize("variables, enabled", [
     ({}, False),
     ({"OTEL_TRACES_EXPORTER": "none"}, False),

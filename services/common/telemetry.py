@@ -112,9 +112,13 @@ def start_telemetry(service: str, metrics, metrics_listen: str) -> Tracing:
     return tracing_from_env(service)
 
 
-# Round phases take from tens of microseconds (transport on a Unix socket) to seconds (a big CPU forward).
+# Round phases take from tens of microseconds (transport on a Unix socket) to seconds (a big CPU forward). The
+# buckets are fine from 0.1 to 5 ms, where a small target's phases lie on a GPU, so that a phase's median read
+# from them (round_phase_medians) is within a few percent.
 ROUND_PHASES = ("draft", "transport", "verify", "round", "round_with_prompts")
-PHASE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+PHASE_BUCKETS = (5e-5, 1e-4, 1.5e-4, 2e-4, 2.5e-4, 3e-4, 4e-4, 5e-4, 6e-4, 7e-4, 8e-4, 9e-4, 1e-3, 1.2e-3, 1.4e-3,
+                 1.6e-3, 1.8e-3, 2e-3, 2.5e-3, 3e-3, 3.5e-3, 4e-3, 5e-3, 7.5e-3, 0.01, 0.015, 0.025, 0.05, 0.1,
+                 0.25, 0.5, 1.0, 2.5, 5.0)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -253,6 +257,8 @@ class RoundTotals:
     # adaptive speculation, rounds without a prompt: choice label -> {"rounds", "expected_tokens",
     # "realized_tokens", "expected_s", "realized_s"} so far
     checked: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    # phase -> {bucket's upper bound in seconds (inf last): rounds so far at or below it}
+    phase_buckets: dict[str, dict[float, float]] = dataclasses.field(default_factory=dict)
 
 
 def round_totals(metrics_address: str) -> RoundTotals:
@@ -276,9 +282,12 @@ def round_totals(metrics_address: str) -> RoundTotals:
         for budget, kind, value in re.findall(
                 rf'treeserve_verifier_checked_{what}_total{{budget="([\w-]+)",kind="(\w+)"}} (\S+)', text):
             checked.setdefault(budget, {})[f"{kind}_{unit}"] = float(value)
+    phase_buckets: dict[str, dict[float, float]] = {}
+    for bound, phase, count in re.findall(r'treeserve_round_seconds_bucket{le="([^"]+)",phase="(\w+)"} (\S+)', text):
+        phase_buckets.setdefault(phase, {})[float(bound)] = float(count)
     return RoundTotals({phase: (float(sums[phase]), float(counts[phase])) for phase in sums},
                        {budget: float(count) for budget, count in budgets},
-                       total("plain_admissions"), total("drafting_stopped"), checked)
+                       total("plain_admissions"), total("drafting_stopped"), checked, phase_buckets)
 
 
 def round_phase_means(before: RoundTotals, after: RoundTotals) -> dict[str, float]:
@@ -289,6 +298,30 @@ def round_phase_means(before: RoundTotals, after: RoundTotals) -> dict[str, floa
         if count > count0:
             means[phase] = round((seconds - seconds0) / (count - count0) * 1000, 3)
     return means
+
+
+def round_phase_medians(before: RoundTotals, after: RoundTotals) -> dict[str, float]:
+    """Median milliseconds of each phase's rounds between two snapshots, read from the histogram's buckets
+    (linearly within the bucket that holds it). Beside the means: a few slow rounds (a new prompt's) move a mean,
+    and a bound on a round's phase is a bound on its median."""
+    medians = {}
+    for phase, cumulative in after.phase_buckets.items():
+        earlier = before.phase_buckets.get(phase, {})
+        counts = [(bound, total - earlier.get(bound, 0.0)) for bound, total in sorted(cumulative.items())]
+        rounds = counts[-1][1] if counts else 0.0
+        if rounds <= 0:
+            continue
+        lower, below = 0.0, 0.0
+        for bound, at_or_below in counts:
+            if at_or_below >= rounds / 2:
+                if bound == float("inf"):  # past the last finite bound: that bound is all one can say
+                    medians[phase] = round(lower * 1000, 3)
+                else:
+                    share = (rounds / 2 - below) / (at_or_below - below)
+                    medians[phase] = round((lower + share * (bound - lower)) * 1000, 3)
+                break
+            lower, below = bound, at_or_below
+    return medians
 
 
 def choice_order(label: str) -> tuple[bool, int]:
