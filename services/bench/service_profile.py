@@ -4,7 +4,10 @@ Starts the stack as `treeserve up` does, and at each concurrency runs a closed l
 speculative) for --seconds. Meanwhile it scrapes the verifier's round phases and, where py-spy is installed,
 samples every service's threads (idle ones included, so a wait shows as the frame it waits in). Writes, per
 concurrency and mode, the raw py-spy stacks and a summary JSON: tok/s, the verifier's ms per round by phase, and
-per service and thread the functions that hold the most samples (their own, and with what they call).
+per service and thread the functions that hold the most samples (their own, and with what they call). py-spy
+samples without pausing the services and can lose a sample whose stack changed while it read it: a busy thread's
+shares came out low against an idle one's (docs/benchmarks.md), so they say where a thread works, and the round
+phases how long.
 
 With --torch-trace, torch's profiler replaces py-spy: once the load is steady, the verifier and the drafter each
 trace their next rounds (treeserve.round_traces), and each run's summary holds, per service, the medians of a
