@@ -216,8 +216,7 @@ async def model_info(address: str) -> dict:
 
 def run_bench(args) -> dict:
     from treeserve.prompt_sets import read_prompts
-    from treeserve.telemetry import (checked_by_budget, round_phase_means, round_phase_medians, round_totals,
-                                     rounds_by_budget)
+    from treeserve.telemetry import checked_by_budget, round_phases, round_totals, rounds_by_budget
 
     path = Path(args.prompts) if args.prompts else WORKLOADS[args.workload]
     prompts = read_prompts(path)
@@ -278,8 +277,7 @@ def run_bench(args) -> dict:
                                           if a is not None and b is not None and (found := divergence(a, b))]
             if before is not None:
                 after = round_totals(args.verifier_metrics)
-                row["round_ms"] = round_phase_means(before, after)
-                row["round_ms_p50"] = round_phase_medians(before, after)
+                row |= round_phases(before, after)
                 # How full the verifier's batches ran: the rounds each request spent in them (its prefill round
                 # and its decode rounds) over the rounds there were.
                 rounds = after.phases.get("round", (0.0, 0.0))[1] - before.phases.get("round", (0.0, 0.0))[1]

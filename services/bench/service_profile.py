@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     from treeserve.params import GenerationParams
     from treeserve.prompt_sets import WORKLOADS, read_prompts
     from treeserve.round_traces import TRACE_DIR_ENV
-    from treeserve.telemetry import round_phase_means, round_phase_medians, round_totals
+    from treeserve.telemetry import round_phases, round_totals
 
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
@@ -251,8 +251,7 @@ def main(argv=None) -> int:
                 run = {"mode": mode, "concurrency": concurrency,
                        "tokens_per_s": round(sampled["tokens"] / sampled["seconds"], 1),
                        "messages_per_s": round(sampled["messages"] / sampled["seconds"], 1),
-                       "rounds": int(rounds), "round_ms": round_phase_means(snapshots[0], after),
-                       "round_ms_p50": round_phase_medians(snapshots[0], after),
+                       "rounds": int(rounds)} | round_phases(snapshots[0], after) | {
                        "services": {name: summarize_stacks(prefix.with_name(f"{prefix.name}-{name}.txt"))
                                     for name in pids}}
                 if args.torch_trace:

@@ -24,7 +24,7 @@ from treeserve.cli.launcher import Stack, start_stack
 from treeserve.params import GenerationParams
 from treeserve.prompt_sets import WORKLOADS
 from treeserve.serving import free_port
-from treeserve.telemetry import round_phase_means, round_phase_medians, round_totals
+from treeserve.telemetry import round_phases, round_totals
 
 DRAFTER_CONFIGS = {"ngram": ("ngram", "ddtree"), "dflash-chain": ("dflash", "chain"),
                    "dflash-ddtree": ("dflash", "ddtree"), "merged": ("merged", "ddtree")}
@@ -118,14 +118,11 @@ def main(argv=None) -> int:
                         if plain is None:
                             plain = asyncio.run(run_requests(gateway, prompts, params, speculate=False))
                             after = round_totals(metrics_address)
-                            plain["round_ms"] = round_phase_means(before, after)
-                            plain["round_ms_p50"] = round_phase_medians(before, after)
+                            plain |= round_phases(before, after)
                             record({"graphs": graphs, "drafter": "none"} | without_outputs(plain))
                             before = after
                         found = asyncio.run(run_requests(gateway, prompts, params, speculate=True))
-                        after = round_totals(metrics_address)
-                        found["round_ms"] = round_phase_means(before, after)
-                        found["round_ms_p50"] = round_phase_medians(before, after)
+                        found |= round_phases(before, round_totals(metrics_address))
                     finally:
                         stack.stop(5)
                 same = sum(a == b for a, b in zip(found["outputs"], plain["outputs"]))

@@ -324,6 +324,11 @@ def round_phase_medians(before: RoundTotals, after: RoundTotals) -> dict[str, fl
     return medians
 
 
+def round_phases(before: RoundTotals, after: RoundTotals) -> dict[str, dict[str, float]]:
+    """A bench row's round phases between two snapshots: `round_ms` (means) and `round_ms_p50` (medians)."""
+    return {"round_ms": round_phase_means(before, after), "round_ms_p50": round_phase_medians(before, after)}
+
+
 def choice_order(label: str) -> tuple[bool, int]:
     """Choice labels in order: the drafter's own budgets by size (0: plain), then lookup's."""
     lookup = label.startswith("lookup-")
