@@ -56,7 +56,7 @@ def test_greedy_runs_side_by_side(services, tmp_path):
         assert each["tokens"] == [12] * 6 and len(each["elapsed_s"]) == 6 and min(each["elapsed_s"]) > 0
         assert all(1 <= rounds <= 11 for rounds in each["rounds"])  # the prefill gives the first of the 12
         assert row["ttft_ms"]["p50"] > 0 and row["itl_ms"]["p99"] >= row["itl_ms"]["p50"] > 0
-        assert row["tokens_per_s"] > 0 and "verify" in row["round_ms"]
+        assert row["tokens_per_s"] > 0 and "verify" in row["round_ms"] and "verify" in row["round_ms_p50"]
         assert row["saturated_tokens_per_s"] > 0  # more requests than workers: a stretch with all of them busy
         # Tokens per verifier round over the batch: one a round at one plain request (its prefill round gives
         # the first), at most a full batch of full trees.
