@@ -145,3 +145,30 @@ def test_sigterm_drains_in_flight_streams(services, target):
         assert services.process(name).wait(timeout=GRACE_S) == 0, name
         stopped_after_s = time.monotonic() - ended
         assert stopped_after_s < GRACE_S / 3, f"the {name} stopped at the grace period, not once its stream ended"
+
+
+def test_a_busy_loop_polls_until_the_service_stops(tmp_path):
+    """ready(busy_loop=True) keeps the loop's thread running between events (CPU time keeps pace with the wall
+    clock while it waits), and stopping the service ends that; without it a waiting loop sleeps."""
+    from treeserve import serving
+
+    async def cpu_share_while_waiting(seconds: float = 0.3) -> float:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        await asyncio.sleep(seconds)
+        return (time.thread_time() - cpu) / (time.perf_counter() - wall)
+
+    async def main() -> tuple[float, float, float]:
+        service = await serving.start(f"unix://{tmp_path}/busy.sock", lambda server: [])
+        await service.ready(busy_loop=True)
+        busy = await cpu_share_while_waiting()
+        await service.stop(0)
+        after = await cpu_share_while_waiting()
+        quiet = await serving.start(f"unix://{tmp_path}/quiet.sock", lambda server: [])
+        await quiet.ready()
+        sleeping = await cpu_share_while_waiting()
+        await quiet.stop(0)
+        return busy, after, sleeping
+
+    busy, after, sleeping = asyncio.run(main())
+    assert busy > 0.5, busy
+    assert after < 0.2 and sleeping < 0.2, (after, sleeping)

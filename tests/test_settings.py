@@ -137,3 +137,10 @@ def test_a_bad_up_value_is_one_line_before_anything_starts(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"cannot serve HTTP on {address}: " in err
     assert not list(tmp_path.iterdir())  # nothing started, no log written
+
+
+def test_a_busy_loop_is_on_with_cuda_unless_told():
+    from treeserve.settings import busy_loop_wanted
+
+    assert busy_loop_wanted("auto", "cuda") and not busy_loop_wanted("auto", "cpu")
+    assert busy_loop_wanted("on", "cpu") and not busy_loop_wanted("off", "cuda")

@@ -97,9 +97,12 @@ class Service:
         """Stop the server and the service's other listeners, giving open streams `grace_s` seconds."""
         await asyncio.gather(self.server.stop(grace_s), *(stop(grace_s or 0) for stop in self.listeners))
 
-    async def ready(self) -> None:
-        """Startup is done: freeze what it made (freeze_startup_objects), then health SERVING."""
+    async def ready(self, busy_loop: bool = False) -> None:
+        """Startup is done: freeze what it made (freeze_startup_objects), keep the loop busy if asked
+        (keep_loop_busy), then health SERVING."""
         freeze_startup_objects()
+        if busy_loop:
+            self.listeners.append(keep_loop_busy())
         await self.set_serving(True)
 
     async def set_serving(self, serving: bool) -> None:
@@ -110,6 +113,22 @@ class Service:
     async def stopping(self) -> None:
         """NOT_SERVING for good: a later set_serving (a service whose health follows its peers') is ignored."""
         await self.health.enter_graceful_shutdown()
+
+
+def keep_loop_busy() -> Callable[[float], Awaitable[None]]:
+    """Keep the running loop's thread polling, never asleep in epoll: a task that only yields. A round of a small
+    target on a GPU is a few milliseconds in turns between processes, and a thread that sleeps between its turns
+    pays a wake-up in each (docs/benchmarks.md, "Event loops that poll between rounds"). Costs a core. Returns the
+    task's stop."""
+    async def spin() -> None:
+        while True:
+            await asyncio.sleep(0)
+
+    task = asyncio.get_running_loop().create_task(spin())
+
+    async def stop(grace_s: float) -> None:
+        task.cancel()
+    return stop
 
 
 async def start(listen: str, register: Callable[[grpc.aio.Server], list[str]]) -> Service:

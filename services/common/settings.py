@@ -149,6 +149,13 @@ def convert(text: str | list[str], kind, opt: Option, source: str):
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DEVICES, DTYPES, GRAPHS = ("cpu", "cuda"), ("float32", "bfloat16"), ("auto", "on", "off")
+BUSY_LOOP = ("auto", "on", "off")
+BUSY_LOOP_HELP = ("poll between rounds instead of sleeping, at the cost of a core (auto: on with --device cuda, "
+                  "where a round is short enough for a sleeping core's wake-up to show)")
+
+
+def busy_loop_wanted(busy_loop: str, device: str) -> bool:
+    return busy_loop == "on" or (busy_loop == "auto" and device == "cuda")
 SPECULATION = ("auto", "fixed", "adaptive")
 DRAFTER_KINDS = ("auto", "ngram", "dflash", "merged", "model")
 TREE_KINDS = ("chain", "ddtree")
@@ -224,6 +231,7 @@ class VerifierSettings(Settings):
     tp: int = option(1, "tensor-parallel ranks: this process is rank 0 and starts the others on this host (one GPU "
                         "each), unless a launcher such as torchrun set RANK and WORLD_SIZE", minimum=1)
     draft_timeout_s: float = option(2.0, "a drafter slower than this is treated as down for the round", minimum=0)
+    busy_loop: str = option("auto", BUSY_LOOP_HELP, choices=BUSY_LOOP)
     grace_s: float = option(10.0, "drain period on SIGTERM, seconds", minimum=0)
     metrics_listen: str = option("", "serve Prometheus metrics over HTTP here (default: off)", metavar="HOST:PORT")
     log_level: str = option("INFO", "how much to log", choices=LOG_LEVELS, upper=True)
@@ -272,6 +280,7 @@ class DrafterSettings(Settings):
     cuda_graphs: str = option("auto", "dflash: replay the block forward from CUDA graphs (auto: with --device cuda)",
                               choices=GRAPHS)
     max_budget: int = option(MAX_BUDGET, "largest tree a request may ask for, in drafted nodes", minimum=1)
+    busy_loop: str = option("auto", BUSY_LOOP_HELP, choices=BUSY_LOOP)
     grace_s: float = option(10.0, "on SIGTERM, seconds open streams get to finish", minimum=0)
     metrics_listen: str = option("", "serve Prometheus metrics over HTTP here (default: off)", metavar="HOST:PORT")
     log_level: str = option("INFO", "how much to log", choices=LOG_LEVELS, upper=True)

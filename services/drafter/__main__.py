@@ -12,7 +12,7 @@ from treeserve import serving, telemetry
 from treeserve.drafter import load_drafter, resolve_kind
 from treeserve.drafter.server import DrafterServicer, start
 from treeserve.errors import TreeserveError
-from treeserve.settings import DrafterSettings
+from treeserve.settings import DrafterSettings, busy_loop_wanted
 
 log = logging.getLogger("treeserve.drafter")
 
@@ -40,7 +40,7 @@ async def serve(args: DrafterSettings) -> None:
         await serving.abandon(service)
         raise
     servicer.round_traces.listen()
-    await service.ready()
+    await service.ready(busy_loop=busy_loop_wanted(args.busy_loop, args.device))
     log.info("drafter %s (max budget %d) serving on %s%s", args.kind, args.max_budget, service.address,
              f" (and Draft streams as frames on {servicer.frames.path})" if servicer.frames.path else "")
     await serving.run_until_signalled(service, args.grace_s)

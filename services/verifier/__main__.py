@@ -11,7 +11,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from treeserve.errors import TreeserveError
-from treeserve.settings import VerifierSettings
+from treeserve.settings import VerifierSettings, busy_loop_wanted
 
 log = logging.getLogger("treeserve.verifier")
 
@@ -81,7 +81,7 @@ async def serve(args, shard=None, followers=()) -> None:
                 adaptive.costs.observe_graph(batch, rows, seconds)
     scheduler.round_traces.listen()
     scheduler_task = asyncio.ensure_future(scheduler.run())
-    await service.ready()
+    await service.ready(busy_loop=busy_loop_wanted(args.busy_loop, args.device))
     log.info("verifier ready: %s on %s, drafters: %s", args.target, args.device,
              ", ".join(link.address for link in links) or "none")
 
