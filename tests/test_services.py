@@ -152,11 +152,6 @@ def test_a_busy_loop_polls_until_the_service_stops(tmp_path):
     clock while it waits), and stopping the service ends that; without it a waiting loop sleeps."""
     from treeserve import serving
 
-    async def cpu_share_while_waiting(seconds: float = 0.3) -> float:
-        wall, cpu = time.perf_counter(), time.thread_time()
-        await asyncio.sleep(seconds)
-        return (time.thread_time() - cpu) / (time.perf_counter() - wall)
-
     async def main() -> tuple[float, float, float]:
         service = await serving.start(f"unix://{tmp_path}/busy.sock", lambda server: [])
         await service.ready(busy_loop=True)
@@ -172,3 +167,35 @@ def test_a_busy_loop_polls_until_the_service_stops(tmp_path):
     busy, after, sleeping = asyncio.run(main())
     assert busy > 0.5, busy
     assert after < 0.2 and sleeping < 0.2, (after, sleeping)
+
+
+def test_a_busy_loop_sleeps_when_idle_and_polls_again_on_work():
+    """Past its polling time, with no other work on the loop, the poll gives its core back; work brings it back."""
+    from treeserve import serving
+
+    def work(seconds: float = 0.005) -> None:
+        until = time.thread_time() + seconds
+        while time.thread_time() < until:
+            pass
+
+    async def main() -> tuple[float, float, float]:
+        stop = serving.keep_loop_busy(poll_s=0.3)
+        polling = await cpu_share_while_waiting(0.2)
+        await asyncio.sleep(0.2)
+        idle = await cpu_share_while_waiting()
+        asyncio.get_running_loop().call_soon(work)
+        await asyncio.sleep(2 * serving.CHECK_S)  # the poll's next check finds that work
+        woken = await cpu_share_while_waiting(0.2)
+        await stop(0)
+        return polling, idle, woken
+
+    polling, idle, woken = asyncio.run(main())
+    assert polling > 0.5 and woken > 0.5, (polling, woken)
+    assert idle < 0.2, idle
+
+
+async def cpu_share_while_waiting(seconds: float = 0.3) -> float:
+    """The loop thread's CPU time over the wall time of an asyncio sleep of `seconds`."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    await asyncio.sleep(seconds)
+    return (time.thread_time() - cpu) / (time.perf_counter() - wall)

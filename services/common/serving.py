@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -115,16 +116,30 @@ class Service:
         await self.health.enter_graceful_shutdown()
 
 
-def keep_loop_busy() -> Callable[[float], Awaitable[None]]:
-    """Keep the running loop's thread polling, never asleep in epoll: a task that only yields. A round of a small
-    target on a GPU is a few milliseconds in turns between processes, and a thread that sleeps between its turns
-    pays a wake-up in each (docs/benchmarks.md, "Event loops that poll between rounds"). Costs a core. Returns the
-    task's stop."""
-    async def spin() -> None:
-        while True:
-            await asyncio.sleep(0)
+# keep_loop_busy polls for POLL_S at a time, then sleeps in checks of CHECK_S until one finds that the loop's thread
+# worked meanwhile (more than WORK_S of CPU: a round's host work is most of that, a bare wake-up a tenth of it), so
+# that an idle service gives its core back.
+POLL_S, CHECK_S, WORK_S = 1.0, 0.02, 1e-3
 
-    task = asyncio.get_running_loop().create_task(spin())
+
+def keep_loop_busy(poll_s: float = POLL_S) -> Callable[[float], Awaitable[None]]:
+    """Keep the running loop's thread polling instead of asleep in epoll while the service works: a task that
+    only yields. A round of a small target on a GPU is a few milliseconds in turns between processes, and a thread
+    that sleeps between its turns pays a wake-up in each (docs/benchmarks.md, "Event loops that poll between
+    rounds"). Costs a core while it polls. Returns the task's stop."""
+    async def poll() -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            polled_until = loop.time() + poll_s
+            while loop.time() < polled_until:
+                await asyncio.sleep(0)
+            while True:
+                cpu = time.thread_time()
+                await asyncio.sleep(CHECK_S)
+                if time.thread_time() - cpu > WORK_S:
+                    break
+
+    task = asyncio.get_running_loop().create_task(poll())
 
     async def stop(grace_s: float) -> None:
         task.cancel()

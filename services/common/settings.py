@@ -150,15 +150,16 @@ def convert(text: str | list[str], kind, opt: Option, source: str):
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DEVICES, DTYPES, GRAPHS = ("cpu", "cuda"), ("float32", "bfloat16"), ("auto", "on", "off")
 BUSY_LOOP = ("auto", "on", "off")
-BUSY_LOOP_HELP = ("poll between rounds instead of sleeping, at the cost of a core (auto: on with --device cuda, "
-                  "where a round is short enough for a sleeping core's wake-up to show)")
-
-
-def busy_loop_wanted(busy_loop: str, device: str) -> bool:
-    return busy_loop == "on" or (busy_loop == "auto" and device == "cuda")
+BUSY_LOOP_HELP = ("poll between rounds instead of sleeping, at the cost of a core while serving (auto: on with "
+                  "--device cuda, where a round is short enough for a sleeping thread's wake-up to show)")
 SPECULATION = ("auto", "fixed", "adaptive")
 DRAFTER_KINDS = ("auto", "ngram", "dflash", "merged", "model")
 TREE_KINDS = ("chain", "ddtree")
+
+
+def busy_loop_wanted(busy_loop: str, device: str) -> bool:
+    """Whether a service with these --busy-loop and --device values keeps its loop polling."""
+    return busy_loop == "on" or (busy_loop == "auto" and device == "cuda")
 
 
 def default_address(service: str) -> Callable[[], str]:
