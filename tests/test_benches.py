@@ -21,6 +21,21 @@ def test_graph_bench_on_the_cpu(tmp_path):
     assert [(r["batch"], r["tree_nodes"]) for r in rows] == [(1, 1), (1, 5), (2, 1), (2, 5)]
     assert all(r["ms"] > 0 and r["graphs"] is False for r in rows)
     assert report["command"].startswith("python -m treeserve.bench.graph_bench --shape tiny")
+    assert all("device_us_by_kernel" not in r for r in rows)  # profiling is asked for with --kernels
+
+    assert main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1", "--tree-sizes", "5",
+                 "--context", "40", "--repeats", "2", "--kernels", "3", "--out", str(out)]) == 0
+    row, = json.loads(out.read_text())["verification"]
+    assert row["device_us"] == 0 and row["device_us_by_kernel"] == {}  # no device work on the CPU
+
+
+def test_device_time_by_name_ranks_a_calls_kernels():
+    """Per call, the longest names first, the rest summed apart."""
+    from treeserve.round_traces import device_time_by_name
+
+    work = [("gemm", 30.0), ("attention", 12.0), ("gemm", 30.0), ("norm", 2.0), ("copy", 1.0), ("attention", 12.0)]
+    assert device_time_by_name(work, calls=2, top=2) == {"gemm": 30.0, "attention": 12.0, "(the rest)": 1.5}
+    assert list(device_time_by_name(work, calls=2, top=5)) == ["gemm", "attention", "norm", "copy"]
 
 
 @pytest.mark.slow

@@ -6,6 +6,10 @@ forward per (batch, tree size): CUDA-graph replay and eager execution of the sam
 TreeVerifier the service uses (host staging and copies included, until the logits are ready). Then the
 tree-attention kernel alone against PyTorch's SDPA over a contiguous cache at several context lengths.
 Median milliseconds of --repeats timed runs after warm-up; writes JSON with --out.
+
+With --kernels N, each (batch, tree size) also records --repeats verifications under torch's profiler and reports
+the device's time per verification (`device_us`) and its N longest kernels or copies by name
+(`device_us_by_kernel`): what a verification spends its device time on, with no model to stage (random weights).
 """
 
 from __future__ import annotations
@@ -104,8 +108,27 @@ def replay_ms(step, repeats: int, calls: int = 20) -> float:
     return statistics.median(times)
 
 
+def device_time(step, calls: int, top: int) -> tuple[float, dict[str, float]]:
+    """`calls` runs of `step()` under torch's profiler: the device's µs per call, and by kernel or copy name (the
+    `top` longest; round_traces.device_time_by_name). On the CPU there is no device work: (0, {})."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from treeserve.round_traces import device_time_by_name
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as profiler:
+        for _ in range(calls):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    work = [(event.name, event.device_time_total) for event in profiler.events()
+            if event.device_type == torch.autograd.DeviceType.CUDA]
+    return round(sum(us for _, us in work) / calls, 1), device_time_by_name(work, calls, top)
+
+
 def verification_costs(model: DecoderLM, batches: list[int], tree_sizes: list[int], context: int, repeats: int,
-                       graphs: bool, device: str, verbose: bool = True) -> list[dict]:
+                       graphs: bool, device: str, verbose: bool = True, kernels: int = 0) -> list[dict]:
     from treeserve.verifier.graphs import TreeVerifier
 
     cfg = model.config
@@ -132,11 +155,16 @@ def verification_costs(model: DecoderLM, batches: list[int], tree_sizes: list[in
             args = ([t.tokens for t in trees], [torch.tensor(t.depths()) + context for t in trees],
                     [t.ancestor_mask() for t in trees])
             ms = timed(lambda: verifier.verify(sequences, *args), repeats, device)
-            rows.append({"batch": batch, "tree_nodes": size, "context": context, "ms": round(ms, 4),
-                         "graphs": graphs})
+            row = {"batch": batch, "tree_nodes": size, "context": context, "ms": round(ms, 4), "graphs": graphs}
+            if kernels:
+                row["device_us"], row["device_us_by_kernel"] = device_time(
+                    lambda: verifier.verify(sequences, *args), repeats, kernels)
+            rows.append(row)
             if verbose:
-                print(f"  {'graphs' if graphs else 'eager '} batch {batch:3d} tree {size:3d}: {ms:8.3f} ms",
-                      flush=True)
+                print(f"  {'graphs' if graphs else 'eager '} batch {batch:3d} tree {size:3d}: {ms:8.3f} ms"
+                      + (f", device {row['device_us']:9.1f} us" if kernels else ""), flush=True)
+                for name, us in row.get("device_us_by_kernel", {}).items():
+                    print(f"      {us:9.1f} us  {name[:100]}", flush=True)
         for sequence in sequences:
             sequence.release()
     if graphs:
@@ -191,11 +219,15 @@ def parse_args(argv=None):
                    help="contexts for the kernel against SDPA (default 1024,8192,32768; empty: skip)")
     p.add_argument("--modes", default="graphs,eager", help="graphs, eager or both (default graphs,eager)")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="also profile each verification: the device's time and its N longest kernels (default 0: off)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks, one GPU each (default 1): every rank runs the bench on its shard "
                         "in lockstep, rank 0 reports")
     p.add_argument("--out", help="write the figures here as JSON")
     args = p.parse_args(argv)
+    if args.kernels < 0:
+        p.error("--kernels must be 0 or more")
     if args.tp < 1 or (args.tp > 1 and args.device != "cuda"):
         p.error("--tp must be 1, or more with --device cuda")
     args.argv = sys.argv[1:] if argv is None else argv
@@ -239,7 +271,7 @@ def run(args) -> int:
         for graphs in [mode == "graphs" for mode in modes]:
             report["verification"] += verification_costs(model, ints(args.batches), ints(args.tree_sizes),
                                                           args.context, args.repeats, graphs, args.device,
-                                                          verbose=rank == 0)
+                                                          verbose=rank == 0, kernels=args.kernels)
         if rank == 0 and args.device == "cuda" and ints(args.attention_contexts):
             report["attention"] = attention_costs(cfg, ints(args.attention_contexts), 65, args.repeats, dtype,
                                                   args.device)

@@ -146,6 +146,19 @@ def timeline_of(events: list[dict], span: str = "round") -> list[dict]:
     return rounds
 
 
+def device_time_by_name(work: list[tuple[str, float]], calls: int, top: int) -> dict[str, float]:
+    """The device's time per call by kernel (or copy) name, µs, from (name, µs) pairs recorded over `calls`
+    calls: the `top` longest, longest first, and the rest summed as "(the rest)"."""
+    totals: dict[str, float] = {}
+    for name, microseconds in work:
+        totals[name] = totals.get(name, 0.0) + microseconds
+    ranked = sorted(totals.items(), key=lambda item: -item[1])
+    found = {name: round(total / calls, 1) for name, total in ranked[:top]}
+    if len(ranked) > top:
+        found["(the rest)"] = round(sum(total for _, total in ranked[top:]) / calls, 1)
+    return found
+
+
 def timeline_medians(rounds: list[dict]) -> dict:
     """The medians of timeline_of's figures over its stretches (runtime calls: by name, 0 where a stretch made
     none); {} for none."""
