@@ -113,7 +113,7 @@ def start_telemetry(service: str, metrics, metrics_listen: str) -> Tracing:
 
 
 # Round phases take from tens of microseconds (transport on a Unix socket) to seconds (a big CPU forward). The
-# buckets are 0.05-0.5 ms wide from 0.1 to 5 ms, where a small target's phases lie on a GPU: a phase's median read
+# buckets are 0.05-1 ms wide from 0.1 to 5 ms, where a small target's phases lie on a GPU: a phase's median read
 # from them (round_phase_medians) is within its bucket's width.
 ROUND_PHASES = ("draft", "transport", "verify", "round", "round_with_prompts")
 PHASE_BUCKETS = (5e-5, 1e-4, 1.5e-4, 2e-4, 2.5e-4, 3e-4, 4e-4, 5e-4, 6e-4, 7e-4, 8e-4, 9e-4, 1e-3, 1.2e-3, 1.4e-3,
