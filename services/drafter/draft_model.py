@@ -113,7 +113,7 @@ class DraftModelDrafter:
             offset += len(tree_tokens)
         logits, _ = self.model(torch.tensor(tokens, device=device), torch.cat(positions), BatchAttention(parts),
                                logits_rows=torch.tensor(rows, device=device))
-        return list(torch.log_softmax(logits, dim=-1).split([len(level) for level in levels]))
+        return list(torch.log_softmax(logits.float(), dim=-1).split([len(level) for level in levels]))
 
     def _grow(self, tree, level: list[int], log_probs: torch.Tensor, budget: int) -> list[int]:
         """Add the best children of the `level` nodes (top_k each, at most `width`, within the budget); returns

@@ -590,8 +590,10 @@ class AdaptiveSpeculation:
                        for key in rates if key[1] > 0 and not key[0])
             self.give_up.note(batch, None if pays else seconds[plain] * (1 + reused))
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("adaptive: batch %d, expected tokens/s by (lookup, budget) %s", batch,
-                      {key: round(rate, 1) for key, rate in rates.items()})
+            log.debug("adaptive: batch %d, %d drafting, all-request slope %.3f; by (lookup, budget): expected "
+                      "tokens/s, tokens, ms %s", batch, len(asked), self.acceptance.overall_slope(),
+                      {key: (round(rates[key], 1), round(batch + gained[key], 2), round(seconds[key] * 1e3, 3))
+                       for key in rates})
         chosen = self._explore(best, rates, seconds, batch, first_try)
         if chosen[1] == 0:
             self.plain_signature, self.plain_round_s = signature, seconds[plain]

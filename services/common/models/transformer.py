@@ -191,9 +191,9 @@ class DecoderLM(nn.Module):
         logits_rows: torch.Tensor | None = None,
         hidden_layer_ids: Sequence[int] = (),
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """input_ids, positions: (N,). Returns logits (float32) for `logits_rows` (all rows when None), and the
-        hidden state after each layer in `hidden_layer_ids` (0-based; the output of that decoder layer, and for the
-        last layer that output after the final norm), (N, hidden).
+        """input_ids, positions: (N,). Returns logits (in the model's dtype) for `logits_rows` (all rows when None),
+        and the hidden state after each layer in `hidden_layer_ids` (0-based; the output of that decoder layer, and
+        for the last layer that output after the final norm), (N, hidden).
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.rope_inv_freq, positions, x.dtype)
@@ -207,5 +207,7 @@ class DecoderLM(nn.Module):
         if last in wanted:  # what Hugging Face's hidden_states[L] holds, and DFlash drafters were trained on
             hidden[last] = self.model.norm(x)
         x = x if logits_rows is None else x[logits_rows]
-        logits = self.lm_head(self.model.norm(x)).float()
+        # In the weights' dtype: a float32 copy of every row would be exact but cost a large tree batch hundreds of
+        # megabytes a round; greedy picks are the same either way, and sampling upcasts the rows it samples.
+        logits = self.lm_head(self.model.norm(x))
         return logits, [hidden[i] for i in hidden_layer_ids]
