@@ -722,6 +722,10 @@ def test_an_adaptive_stack_streams_the_tokens_of_plain_decoding(tmp_path):
         checked = speculative["adaptive_checked"]
         assert sum(figures["rounds"] for figures in checked.values()) > 0
         assert all(figures["realized_ms"] > 0 and figures["expected_tokens"] >= 1 for figures in checked.values())
+        # Of what they took: the wait on the drafters (none in plain rounds) and the verification, within it.
+        assert all(0 < figures["verify_ms"] and figures["drafters_ms"] + figures["verify_ms"] <= figures["realized_ms"]
+                   for figures in checked.values())
+        assert all(figures["drafters_ms"] == 0 for label, figures in checked.items() if label == "0")
         assert speculative["identical_to_plain"] == "4/4"
     finally:
         services.stack.stop(grace_s=1)

@@ -224,6 +224,8 @@ def test_round_totals_read_a_verifiers_rounds_from_its_metrics():
             metrics.checked_tokens.labels(budget="4", kind="realized").inc(realized)
             metrics.checked_seconds.labels(budget="4", kind="expected").inc(0.002)
             metrics.checked_seconds.labels(budget="4", kind="realized").inc(0.003)
+            metrics.checked_seconds.labels(budget="4", kind="drafters").inc(0.001)
+            metrics.checked_seconds.labels(budget="4", kind="verify").inc(0.0015)
         totals = telemetry.round_totals(f"127.0.0.1:{server.server_port}")
     finally:
         server.shutdown()
@@ -235,7 +237,8 @@ def test_round_totals_read_a_verifiers_rounds_from_its_metrics():
     assert list(telemetry.rounds_by_budget(telemetry.RoundTotals({}, {}), totals)) == ["0", "16", "lookup-4"]
     assert before.checked == {}
     assert telemetry.checked_by_budget(before, totals) == {"4": {
-        "rounds": 2, "expected_tokens": 9.0, "realized_tokens": 8.0, "expected_ms": 2.0, "realized_ms": 3.0}}
+        "rounds": 2, "expected_tokens": 9.0, "realized_tokens": 8.0, "expected_ms": 2.0, "realized_ms": 3.0,
+        "drafters_ms": 1.0, "verify_ms": 1.5}}
 
 
 def test_phase_medians_come_from_the_rounds_between_two_scrapes():

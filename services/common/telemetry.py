@@ -131,6 +131,8 @@ class BudgetCounters(NamedTuple):
     realized_tokens: Counter
     expected_seconds: Counter
     realized_seconds: Counter
+    drafters_seconds: Counter  # of the realized: the wait on the drafters' round trips
+    verify_seconds: Counter  # of the realized: the forward, the commits and the messages out
 
 
 class VerifierMetrics:
@@ -183,7 +185,8 @@ class VerifierMetrics:
             "(kind=expected) and emitted (kind=realized)", ["budget", "kind"], registry=r)
         self.checked_seconds = Counter(
             "treeserve_verifier_checked_seconds", "Adaptive speculation: seconds those rounds were expected to take "
-            "(kind=expected) and took (kind=realized)", ["budget", "kind"], registry=r)
+            "(kind=expected) and took (kind=realized), and of what they took, the wait on the drafters "
+            "(kind=drafters) and the forward with its commits (kind=verify)", ["budget", "kind"], registry=r)
         self._by_budget: dict[str, BudgetCounters] = {}
         self.realized_over_expected = Gauge(
             "treeserve_verifier_realized_over_expected", "Adaptive speculation: drafted tokens that recent "
@@ -198,7 +201,8 @@ class VerifierMetrics:
             found = self._by_budget[label] = BudgetCounters(
                 self.rounds_by_budget.labels(budget=label), self.checked_rounds.labels(budget=label),
                 *(self.checked_tokens.labels(budget=label, kind=kind) for kind in ("expected", "realized")),
-                *(self.checked_seconds.labels(budget=label, kind=kind) for kind in ("expected", "realized")))
+                *(self.checked_seconds.labels(budget=label, kind=kind)
+                  for kind in ("expected", "realized", "drafters", "verify")))
         return found
 
     def record_trees(self, trees: list[tuple[int, int]]) -> None:
@@ -344,7 +348,9 @@ def rounds_by_budget(before: RoundTotals, after: RoundTotals) -> dict[str, int]:
 
 def checked_by_budget(before: RoundTotals, after: RoundTotals) -> dict[str, dict[str, float]]:
     """Adaptive speculation's rounds without a prompt between two snapshots, by the choice's label: how many, and
-    per round the tokens and milliseconds it expected of them and what they emitted and took."""
+    per round the tokens and milliseconds it expected of them and what they emitted and took; of what they took,
+    the wait on the drafters and the forward with its commits (the rest: the choice, the plans, the Draft
+    messages, the scheduling)."""
     found = {}
     for budget, totals in sorted(after.checked.items(), key=lambda item: choice_order(item[0])):
         earlier = before.checked.get(budget, {})
@@ -357,7 +363,8 @@ def checked_by_budget(before: RoundTotals, after: RoundTotals) -> dict[str, dict
             found[budget] = {"rounds": int(rounds),
                              "expected_tokens": per_round("expected_tokens"),
                              "realized_tokens": per_round("realized_tokens"),
-                             "expected_ms": per_round("expected_s", 1000), "realized_ms": per_round("realized_s", 1000)}
+                             "expected_ms": per_round("expected_s", 1000), "realized_ms": per_round("realized_s", 1000),
+                             "drafters_ms": per_round("drafters_s", 1000), "verify_ms": per_round("verify_s", 1000)}
     return found
 
 

@@ -298,6 +298,8 @@ class Scheduler:
         counters.realized_tokens.inc(report.tokens)
         counters.expected_seconds.inc(expected_s)
         counters.realized_seconds.inc(seconds)
+        counters.drafters_seconds.inc(report.drafters_s)
+        counters.verify_seconds.inc(report.verify_s + report.emit_s)
 
 
 def round_attributes(request: RequestReport, report: RoundReport) -> dict:
