@@ -298,10 +298,13 @@ DDTREE_CASES = [pytest.param(shape, DDTREE_VALUES[(i + j) % len(DDTREE_VALUES)],
                              id=f"{shape}-{DDTREE_VALUES[(i + j) % len(DDTREE_VALUES)]}-{str(dtype)[6:]}")
                 for i, shape in enumerate(DDTREE_SHAPES)
                 for j, dtype in enumerate([torch.float32, torch.float16 if i == 2 else torch.bfloat16])]
-# The drafter's shapes (block size 16) at the narrowest width and the chain's: seconds under the interpreter.
+# The drafter's shapes (block size 16) at two widths and the chain's: seconds under the interpreter.
 DDTREE_CASES += [pytest.param((15, 16, 16, 2), "ties and -inf", torch.bfloat16, marks=pytest.mark.slow,
                               id="drafter-ddtree-16"),
-                 pytest.param((15, 1, 15, 2), "ties", torch.float32, marks=pytest.mark.slow, id="drafter-chain")]
+                 pytest.param((15, 1, 15, 2), "ties", torch.float32, marks=pytest.mark.slow, id="drafter-chain"),
+                 # The width a budget of 64 searches at: each position's top 64 tokens, 960 candidate nodes.
+                 pytest.param((15, 64, 64, 2), "continuous", torch.bfloat16, marks=pytest.mark.slow,
+                              id="drafter-ddtree-64")]
 
 
 def ddtree_inputs(shape, values, dtype, seed):
