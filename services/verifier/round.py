@@ -133,6 +133,11 @@ class RoundReport:
     def seconds(self) -> float:
         return self.draft_s + self.plan_s + self.verify_s + self.emit_s
 
+    @property
+    def verify_phase_s(self) -> float:
+        """The forward, the commits and the messages out: the metrics' verify phase."""
+        return self.verify_s + self.emit_s
+
 
 class Speculation(Protocol):
     """How much a round drafts, and what the policy learns from each round."""

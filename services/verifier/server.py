@@ -275,7 +275,7 @@ class Scheduler:
             metrics.generated_tokens.inc(report.tokens)
             metrics.record_trees([(request.tree_nodes, request.accepted) for request in report.requests
                                   if not request.prompt_tokens])
-            metrics.phase_seconds["verify"].observe(report.verify_s + report.emit_s)
+            metrics.phase_seconds["verify"].observe(report.verify_phase_s)
         if checked is not None:
             batch, factor = checked
             metrics.realized_over_expected.labels(batch=str(batch)).set(factor)
@@ -299,7 +299,7 @@ class Scheduler:
         counters.expected_seconds.inc(expected_s)
         counters.realized_seconds.inc(seconds)
         counters.drafters_seconds.inc(report.drafters_s)
-        counters.verify_seconds.inc(report.verify_s + report.emit_s)
+        counters.verify_seconds.inc(report.verify_phase_s)
 
 
 def round_attributes(request: RequestReport, report: RoundReport) -> dict:
