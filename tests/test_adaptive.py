@@ -95,8 +95,24 @@ def test_a_tree_must_promise_a_margin_over_plain_decoding():
         assert budget(adaptive, {"a": 1}, batch=1) == chosen
 
 
+def test_a_lone_requests_run_of_misses_does_not_stop_trees_that_pay_on_average():
+    """At one request the next round's acceptance is hard to tell from the last few: trees that emit three tokens a
+    round for about twice a plain round's cost go on through a run of misses that a twenty-round memory (decay
+    0.05) would follow down to plain decoding; a drafter that has stopped paying is still dropped, a little later."""
+    def choice_after(misses: int, decay: float) -> int:
+        adaptive = AdaptiveSpeculation(decay=decay)
+        costs(adaptive, 1, {1: 1.05, 2: 1.3, 3: 1.35, 5: 1.4, 9: 1.42, 17: 1.45, 33: 1.5}, draft_ms=0.76)
+        accept(adaptive, ["a"], 32, 3, rounds=60)  # two drafted tokens accepted a round
+        accept(adaptive, ["a"], 32, 1, rounds=misses)  # then misses in a row
+        return budget(adaptive, {"a": 32}, batch=1)
+
+    assert choice_after(9, decay=0.05) == 0
+    assert choice_after(9, decay=AdaptiveSpeculation().acceptance.decay) == 32
+    assert choice_after(30, decay=AdaptiveSpeculation().acceptance.decay) == 0
+
+
 def test_failed_explorations_back_off():
-    adaptive = AdaptiveSpeculation(explore_every=32)
+    adaptive = AdaptiveSpeculation(explore_every=32, decay=0.05)  # (acceptance forgets within the scenes below)
     ids = ["a", "b"]
     # Cheap trees, measured at every size (a try costs little)...
     costs(adaptive, 2, {1: 5.0, 2: 5.5, 3: 5.5, 5: 5.5, 9: 5.5, 17: 5.5}, draft_ms=0.1)
@@ -123,7 +139,7 @@ def test_unmeasured_tree_sizes_are_tried_then_tries_back_off():
     """Only plain rounds and 17-node trees measured, trees that never accept: each unmeasured size is tried (its
     estimate borrows a smaller size's cost, and a request's misses age away in plain rounds) until it has its own
     cost; then the tries back off as the explorations do."""
-    adaptive = AdaptiveSpeculation(explore_every=32)
+    adaptive = AdaptiveSpeculation(explore_every=32, decay=0.05)  # (the misses leave each size's gain just over MARGIN)
     ids = ["a", "b"]
     costs(adaptive, 2, {1: 5.0, 17: 5.5}, draft_ms=0.1)
     accept(adaptive, ids, 16, 1)

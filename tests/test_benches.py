@@ -329,3 +329,25 @@ def test_service_profile_reads_py_spy_stacks(tmp_path):
     assert main["own"] == [["commit (b.py:2)", 3], ["run (a.py:1)", 1]]
     assert main["inclusive"] == [["run (a.py:1)", 4], ["commit (b.py:2)", 3]]
     assert summarize_stacks(tmp_path / "missing.txt") == {}
+
+
+def test_policy_replay_prices_fixed_trees_and_replays_the_policy(tmp_path):
+    """A record where every own tree emits three tokens and lookup's one: fixed trees come out at exactly three
+    tokens for twice a plain round's cost, and adaptive speculation, replayed over it, drafts nearly every round."""
+    from types import SimpleNamespace
+
+    from treeserve.bench.policy_replay import main, tokens_emitted
+
+    tree = SimpleNamespace(size=4, tokens=[9, 1, 2, 5], parents=[-1, 0, 1, 0])  # root -> 1 -> 2, and root -> 5
+    assert [tokens_emitted(tree, answer) for answer in ([1, 2, 3], [1, 7], [5], [4])] == [3, 2, 2, 1]
+    length = 31  # 30 tokens after the first: ten rounds of three
+    record = {"answer": list(range(length)), "own": {"16": [3] * length, "32": [3] * length}, "lookup": [1] * length}
+    positions = tmp_path / "positions.json"
+    positions.write_text(json.dumps([record] * 4))
+    out = tmp_path / "replay.json"
+    assert main(["--positions", str(positions), "--decays", "0.02", "--plain-ms", "1", "--tree-extra-ms", "0.5",
+                 "--draft-ms", "0.5", "--catch-up-ms", "0", "--out", str(out)]) == 0
+    rows = {row["policy"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["fixed 32"]["speedup"] == 1.5 and rows["fixed 32"]["rounds"] == {"32": 40}
+    adaptive = rows["adaptive, decay 0.02"]
+    assert adaptive["rounds"].get("0", 0) <= 8 and 1.3 < adaptive["speedup"] <= 1.5

@@ -24,6 +24,7 @@ import asyncio
 import collections
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -63,6 +64,8 @@ def parse_args(argv=None):
                    help="trace the verifier's and the drafter's rounds under torch's profiler instead of py-spy")
     p.add_argument("--metrics-port", type=int, default=9464)
     p.add_argument("--start-timeout-s", type=float, default=600)
+    p.add_argument("--up-flags", default="", metavar="FLAGS",
+                   help="more `treeserve up` flags for the stack, quoted as one argument (e.g. --drafter-path DIR)")
     args = p.parse_args(argv)
     args.modes = [mode.strip() for mode in args.modes.split(",") if mode.strip()]
     if not set(args.modes) <= {"plain", "speculative"} or not args.modes:
@@ -215,7 +218,7 @@ def main(argv=None) -> int:
     up = up_settings("--target", args.target, "--drafter", kind, "--tree", tree, "--budget", str(args.budget),
                      "--device", args.device, "--dtype", args.dtype, "--speculation", args.speculation,
                      "--verifier-metrics", f"127.0.0.1:{args.metrics_port}", "--grace-s", "2",
-                     "--start-timeout-s", str(args.start_timeout_s))
+                     "--start-timeout-s", str(args.start_timeout_s), *shlex.split(args.up_flags))
     prompts = read_prompts(Path(args.prompts) if args.prompts else WORKLOADS[args.workload])
     params = GenerationParams(max_new_tokens=args.max_new_tokens)
     stack = Stack(out_dir / "runtime")

@@ -40,7 +40,6 @@ import collections
 import itertools
 import logging
 import math
-import statistics
 
 from treeserve.tree import MAX_BUDGET
 from treeserve.verifier.graphs import TREE_BUCKETS
@@ -64,7 +63,8 @@ class RecentCost:
 
     def add(self, sample: float) -> None:
         self.samples.append(sample)
-        self.value = statistics.median(self.samples)
+        ordered, middle = sorted(self.samples), len(self.samples) // 2  # (statistics.median: several times slower)
+        self.value = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
     @property
     def settled(self) -> bool:
@@ -230,13 +230,25 @@ class CostModel:
     def round_seconds(self, batch: int, budget: int, lookup: bool = False) -> float | None:
         """Estimated time of one round of `batch` requests at round budget `budget` (`lookup`: prompt lookup's trees
         alone), before tree_factor; None when unknown."""
-        batch = batch_bucket(batch)
-        verify = self._verify_estimate(batch, tree_bucket(budget + 1))
-        if verify is None:
-            return None
-        if budget == 0:
-            return verify
-        return verify + self._draft_estimate(batch, tree_bucket(budget + 1), lookup)
+        costs = self.round_costs(batch, [budget], (lookup,))
+        return None if costs is None else costs[(lookup and budget > 0, budget)]
+
+    def round_costs(self, batch: int, budgets: list[int], sources: tuple[bool, ...] = (False,)
+                    ) -> dict[tuple[bool, int], float] | None:
+        """round_seconds of each (lookup, budget) of these (plain decoding: (False, 0)), each verification priced
+        once for every source; None when any is unknown. A choice prices them all every time it is worked out."""
+        bucket, costs = batch_bucket(batch), {}
+        for budget in budgets:
+            nodes = tree_bucket(budget + 1)
+            verify = self._verify_estimate(bucket, nodes)
+            if verify is None:
+                return None
+            if budget == 0:
+                costs[(False, 0)] = verify
+                continue
+            for lookup in sources:
+                costs[(lookup, budget)] = verify + self._draft_estimate(bucket, nodes, lookup)
+        return costs
 
     def plain_settled(self, batch: int) -> bool:
         plain = self.verify_s.get(batch_bucket(batch), {}).get(tree_bucket(1))
@@ -302,8 +314,12 @@ class AcceptanceModel:
     # A request's own observations are shrunk towards the slope over all requests by this much log-budget (about
     # one round at budget 16), so that its first round or two do not decide alone.
     PRIOR_WEIGHT = 4.0
+    # Each tree round weighs 1 - DECAY times the next: a memory of about fifty rounds. A shorter one follows each run
+    # of misses down to plain decoding, where trees would have done about as well as on average (at one request on
+    # chat, replaying the policy over each position's acceptance): the next round is hard to tell from the last few.
+    DECAY = 0.02
 
-    def __init__(self, prior_slope: float = 0.5, decay: float = 0.05):
+    def __init__(self, prior_slope: float = 0.5, decay: float = DECAY):
         self.prior_slope, self.decay = prior_slope, decay
         self.slopes: dict[str, DecayingRatio] = {}
         self.overall = DecayingRatio(decay)
@@ -455,7 +471,7 @@ class AdaptiveSpeculation:
     LOOKUP_PRIOR = 0.5
 
     def __init__(self, min_budget: int = 0, max_budget: int = MAX_BUDGET, prior_slope: float = 0.5,
-                 decay: float = 0.05, explore_every: int = 32, give_up_after_s: float = 1.0):
+                 decay: float = AcceptanceModel.DECAY, explore_every: int = 32, give_up_after_s: float = 1.0):
         if not 0 <= min_budget <= max_budget <= MAX_BUDGET:
             raise ValueError(f"adaptive budget bounds must satisfy 0 <= min <= max <= {MAX_BUDGET}, got "
                              f"{min_budget}..{max_budget}")
@@ -560,8 +576,12 @@ class AdaptiveSpeculation:
             # an unmeasured bucket with only larger ones measured is, plain decoding could never win a round.
             return Choice(0)
         # Each candidate is (lookup's trees alone, budget); plain decoding is (False, 0).
-        rates, estimated, seconds, drafted, gained = {}, {}, {}, {}, {}
-        for source in (False, True) if lookup else (False,):
+        sources = (False, True) if lookup else (False,)
+        estimated = self.costs.round_costs(batch, steps, sources)
+        if estimated is None:  # nothing measured at this batch size yet: speculate as asked, and learn
+            return Choice(most)
+        rates, seconds, drafted, gained = {}, {}, {}, {}
+        for source in sources:
             model = self.lookup_acceptance if source else self.acceptance
             overall = model.overall_slope()
             expected = ExpectedDrafts([(model.slope(request_id, overall), own) for request_id, own in asked.items()])
@@ -571,9 +591,6 @@ class AdaptiveSpeculation:
                 if source and step == 0:
                     continue
                 key = (source, step)
-                estimated[key] = self.costs.round_seconds(batch, step, source)
-                if estimated[key] is None:  # nothing measured at this batch size yet: speculate as asked, and learn
-                    return Choice(most)
                 seconds[key] = estimated[key] * cost_factor if step else estimated[key]
                 drafted[key] = expected.at(step)
                 gained[key] = factor * drafted[key]
