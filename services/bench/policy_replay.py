@@ -105,6 +105,9 @@ def replay(positions: list[dict], costs: RoundCosts, policy_factory=None, fixed_
             label = ("lookup-" if lookup else "") + str(budget)
             rounds[label] = rounds.get(label, 0) + 1
             if budget:
+                # A budget between the recorded ones reads the next larger one's record, capped at budget + 1 tokens
+                # (lookup's, recorded at the largest): an upper bound for such small trees, which the policy seldom
+                # plays at these prices.
                 column = record["lookup"] if lookup else record["own"][str(next(b for b in budgets if b >= budget))]
                 emitted = min(column[p], budget + 1, length - 1 - p)
                 catch_up = last != "own" and not lookup
