@@ -564,6 +564,28 @@ def test_a_request_with_poor_acceptance_does_not_drag_the_rest():
     assert adaptive.acceptance.slope("good") == adaptive.acceptance.slope("new")
 
 
+def test_plain_rounds_age_each_requests_evidence_as_if_one_by_one():
+    """AcceptanceModel.age costs a plain round no step per request: each request's slope is aged when next read,
+    by every plain round since, as it would have been round by round; and its evidence after the ageing counts in
+    full."""
+    from treeserve.verifier.adaptive import AcceptanceModel, DecayingRatio
+
+    model, reference = AcceptanceModel(), {"a": DecayingRatio(AcceptanceModel.DECAY)}
+    rounds = [("tree", 16, 4), ("plain",), ("plain",), ("tree", 8, 1), ("plain",), ("tree", 32, 6), ("plain",)]
+    for step in rounds:
+        if step[0] == "plain":
+            model.age(0.5)
+            reference["a"].age(0.5)
+        else:
+            model.observe("a", step[1], step[2])
+            reference["a"].add(step[2] - 1, math.log2(1 + step[1]))
+    overall = model.overall_slope()
+    assert model.slope("a", overall) == pytest.approx(reference["a"].value(overall, model.PRIOR_WEIGHT))
+    model.age(0.5)
+    model.forget("a")
+    assert model.slope("a") == model.overall_slope()  # forgotten: no ageing owed
+
+
 def test_plain_rounds_are_measured_before_trees_are_judged_against_them():
     """Priced like the nearest measured bucket, a larger tree's, plain decoding could never win: a server whose
     requests all speculate from the start would never stop speculating."""

@@ -324,24 +324,42 @@ class AcceptanceModel:
         self.slopes: dict[str, DecayingRatio] = {}
         self.overall = DecayingRatio(decay)
         self.calibration: dict[int, Calibration] = {}  # batch bucket -> its speculative rounds' record
+        # Ageing is applied to a request's slope when it is next read: the log of the share of evidence every
+        # `age` so far has left, and its value when each request's slope was last brought up to date. A plain round
+        # then costs no step per request.
+        self.kept_log = 0.0
+        self.aged_to: dict[str, float] = {}
 
     def observe(self, request_id: str, budget: int, tokens: int) -> None:
         """A round of this request with a tree of `budget` drafted nodes emitted `tokens` tokens."""
         if budget < 1:
             return
         accepted, log_budget = max(0, tokens - 1), math.log2(1 + budget)
-        self.slopes.setdefault(request_id, DecayingRatio(self.decay)).add(accepted, log_budget)
+        own = self._own(request_id)
+        if own is None:
+            own = self.slopes[request_id] = DecayingRatio(self.decay)
+            self.aged_to[request_id] = self.kept_log
+        own.add(accepted, log_budget)
         self.overall.add(accepted, log_budget)
 
-    def age(self, request_ids, share: float) -> None:
-        """These requests' own evidence counts `share` less (a plain round, which observes no acceptance)."""
-        for request_id in request_ids:
-            own = self.slopes.get(request_id)
-            if own is not None:
-                own.age(share)
+    def age(self, share: float) -> None:
+        """Every request's own evidence counts `share` less (a plain round, which observes no acceptance; the
+        requests that could not draft in it hold no evidence, or none that is read again)."""
+        self.kept_log += math.log1p(-min(share, 1 - 1e-9))  # (all of it: as good as all, kept finite)
+
+    def _own(self, request_id: str) -> DecayingRatio | None:
+        """The request's own ratio, aged as far as `age` has gone."""
+        own = self.slopes.get(request_id)
+        if own is not None:
+            behind = self.kept_log - self.aged_to[request_id]
+            if behind:
+                own.age(-math.expm1(behind))
+                self.aged_to[request_id] = self.kept_log
+        return own
 
     def forget(self, request_id: str) -> None:
         self.slopes.pop(request_id, None)
+        self.aged_to.pop(request_id, None)
 
     def overall_slope(self) -> float:
         return self.overall.value(self.prior_slope, self.PRIOR_WEIGHT)
@@ -350,7 +368,7 @@ class AcceptanceModel:
         """The request's slope (`overall`: the all-request slope, when the caller has it already)."""
         if overall is None:
             overall = self.overall_slope()
-        own = self.slopes.get(request_id)
+        own = self._own(request_id)
         return own.value(overall, self.PRIOR_WEIGHT) if own is not None else overall
 
     def expected_tokens(self, request_id: str, budget: int) -> float:
@@ -504,7 +522,7 @@ class AdaptiveSpeculation:
         trees drafted beside what the choice expected. Returns (batch bucket, realized over expected drafted
         tokens) when that was checked on the drafter's own trees."""
         model = self.lookup_acceptance if report.lookup else self.acceptance
-        for request in report.requests:
+        for request in report.requests if report.drafted else ():  # (a plain round's observe nothing)
             model.observe(request.request_id, request.tree_nodes, request.committed)
             if request.lookup_accepted is not None:  # an own tree's lookup chain, of at most half its budget
                 self.lookup_acceptance.observe(request.request_id, report.budgets.get(request.request_id, 0) // 2,
@@ -551,12 +569,12 @@ class AdaptiveSpeculation:
         choice = self._choose(asked, batch, first_try, lookup)
         self.last_played = choice
         if choice.budget == 0:  # a plain round: what the requests' trees did ages
-            self.acceptance.age(asked, self.PLAIN_AGING)
-            self.lookup_acceptance.age(asked, self.PLAIN_AGING)
+            self.acceptance.age(self.PLAIN_AGING)
+            self.lookup_acceptance.age(self.PLAIN_AGING)
         else:
             self.tried.update(asked)
             if choice.lookup:  # nor does a round of lookup's trees observe the drafter's own
-                self.acceptance.age(asked, self.PLAIN_AGING)
+                self.acceptance.age(self.PLAIN_AGING)
         return choice
 
     def _choose(self, asked: dict[str, int], batch: int, first_try: bool = False, lookup: bool = False) -> Choice:
