@@ -17,8 +17,9 @@ from helpers import PROMPTS, SERVING, Services, expected, health, request, run_a
 from treeserve.loading import load_target
 from treeserve.telemetry import round_totals
 from treeserve.tree import DraftTree
-from treeserve.verifier.adaptive import (BUDGET_STEPS, AdaptiveSpeculation, Calibration, ExpectedDrafts, Exploration,
-                                         GiveUp, RecentCost, tokens_per_round)
+from treeserve.verifier.adaptive import (BUDGET_STEPS, AcceptanceModel, AdaptiveSpeculation, Calibration,
+                                         DecayingRatio, ExpectedDrafts, Exploration, GiveUp, RecentCost,
+                                         tokens_per_round)
 from treeserve.verifier.drafter_link import DraftRound, catches_up
 from treeserve.verifier.round import Choice, RequestReport, RoundReport
 
@@ -568,19 +569,16 @@ def test_plain_rounds_age_each_requests_evidence_as_if_one_by_one():
     """AcceptanceModel.age costs a plain round no step per request: each request's slope is aged when next read,
     by every plain round since, as it would have been round by round; and its evidence after the ageing counts in
     full."""
-    from treeserve.verifier.adaptive import AcceptanceModel, DecayingRatio
-
-    model, reference = AcceptanceModel(), {"a": DecayingRatio(AcceptanceModel.DECAY)}
-    rounds = [("tree", 16, 4), ("plain",), ("plain",), ("tree", 8, 1), ("plain",), ("tree", 32, 6), ("plain",)]
-    for step in rounds:
+    model, reference = AcceptanceModel(), DecayingRatio(AcceptanceModel.DECAY)
+    for step in [("tree", 16, 4), ("plain",), ("plain",), ("tree", 8, 1), ("plain",), ("tree", 32, 6), ("plain",)]:
         if step[0] == "plain":
             model.age(0.5)
-            reference["a"].age(0.5)
+            reference.age(0.5)
         else:
             model.observe("a", step[1], step[2])
-            reference["a"].add(step[2] - 1, math.log2(1 + step[1]))
+            reference.add(step[2] - 1, math.log2(1 + step[1]))
     overall = model.overall_slope()
-    assert model.slope("a", overall) == pytest.approx(reference["a"].value(overall, model.PRIOR_WEIGHT))
+    assert model.slope("a", overall) == pytest.approx(reference.value(overall, model.PRIOR_WEIGHT))
     model.age(0.5)
     model.forget("a")
     assert model.slope("a") == model.overall_slope()  # forgotten: no ageing owed

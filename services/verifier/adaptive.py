@@ -345,7 +345,7 @@ class AcceptanceModel:
     def age(self, share: float) -> None:
         """Every request's own evidence counts `share` less (a plain round, which observes no acceptance; the
         requests that could not draft in it hold no evidence, or none that is read again)."""
-        self.kept_log += math.log1p(-min(share, 1 - 1e-9))  # (all of it: as good as all, kept finite)
+        self.kept_log += math.log1p(-min(share, 1 - 1e-9))  # (a share of 1 taken as just under it: finite)
 
     def _own(self, request_id: str) -> DecayingRatio | None:
         """The request's own ratio, aged as far as `age` has gone."""
