@@ -119,8 +119,8 @@ class Service:
 # keep_loop_busy polls for POLL_S at a time, then sleeps in checks of CHECK_S until one finds that the loop's thread
 # worked meanwhile (more than WORK_S of CPU: a round's host work is most of that, a bare wake-up a tenth of it), so
 # that an idle service gives its core back. POLL_S is long on purpose: a drafter that adaptive speculation asks for a
-# tree only every few rounds must still be polling when asked, since a wake-up delays its answer by more than the
-# transport takes (docs/benchmarks.md, "The drafter's event loop asleep between seldom messages").
+# tree only every few rounds must still be polling when asked; asleep, it answers late, and the policy, pricing trees
+# by what they took, stops asking (docs/benchmarks.md, "The drafter's event loop asleep between seldom messages").
 POLL_S, CHECK_S, WORK_S = 1.0, 0.02, 1e-3
 
 
