@@ -219,6 +219,48 @@ def test_requests_batched_into_one_forward_each_get_their_own_output():
     assert [finished[i] for i in range(len(requests))] == references
 
 
+@pytest.mark.parametrize("pieces", [0, 8])
+def test_the_pool_keeps_every_tokens_features_at_its_slot(pieces):
+    """With features kept in the KV pool, each committed token's row of them is at its slot after every round:
+    prompts (packed, or in pieces), plain steps and trees whose accepted paths were moved down, requests joining and
+    leaving; the same rows the kept features hand out."""
+    from random_targets import random_tree
+    from treeserve.models.paged_kv import PagedKVCache
+    from treeserve.verifier.engine import commit_round, forward_batch
+    from treeserve.verifier.graphs import TreeVerifier
+
+    model = random_target("llama", seed=7, vocab_size=VOCAB, weight_scale=2.0)
+    tokenizer = word_tokenizer(VOCAB)
+    pool = PagedKVCache(model.config, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu")
+    verifier = TreeVerifier(model, pool, max_batch=4, max_tree=9)
+    verifier.prefill_pieces = pieces
+    layers = (0, 1)
+    verifier.keep_features(layers)
+    rng = random.Random(0)
+    running, round_number = [], 0
+    while running or round_number == 0:
+        if round_number in (0, 3, 6):  # requests join a batch already decoding
+            running += [Generation(model, tokenizer, prompt, GenerationParams(max_new_tokens=12), budget=8,
+                                   feature_layer_ids=layers, verifier=verifier)
+                        for prompt in prompts(2, seed=round_number)]
+        plans = []
+        for generation in running:
+            tree = None
+            if generation.prefilled and rng.random() < 0.7:  # else a plain step
+                tree = random_tree(rng.randint(2, 9), rng, VOCAB)
+                tree = DraftTree([generation.output_ids[-1]] + tree.tokens[1:], tree.parents)
+            plans.append(generation.plan(tree))
+        commit_round(running, plans, *forward_batch(model, plans, layers, verifier))
+        for generation in [g for g in running if not g.finished]:  # (a finished one gave its blocks back)
+            kept = torch.cat(generation.features.chunks)  # every token but the newest: those in the KV cache
+            assert len(kept) == generation.cache.length == generation.committed_count - 1
+            torch.testing.assert_close(pool.features[generation.cache.slots(0, len(kept))], kept)
+        for generation in [g for g in running if g.finished]:
+            running.remove(generation)
+        round_number += 1
+    assert round_number > 6 and pool.allocator.free_count == pool.allocator.num_blocks
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_kept_features_reach_the_host_in_order_when_flushed(device):

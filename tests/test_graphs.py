@@ -287,6 +287,28 @@ def test_graph_replay_equals_eager_in_every_bucket(case, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graphs_write_each_rows_features_at_its_slot():
+    """A pool that keeps features gets each row's from the graph's replay, at the row's slot; padding rows write
+    only the pool's last row."""
+    model = random_target("llama3", seed=4, weight_scale=2.0).to("cuda", torch.bfloat16)
+    pool = PagedKVCache(model.config, num_blocks=256, block_size=16, dtype=torch.bfloat16, device="cuda")
+    verifier = TreeVerifier(model, pool, max_batch=4, max_tree=17, graphs=True)
+    verifier.keep_features((0, 1))
+    verifier.capture(feature_layer_ids=(0, 1))
+    sequences, tokens, positions, masks = requests_in(pool, [30, 7, 100], [17, 3, 9], seed=5)
+    _, features = verifier.verify(sequences, tokens, positions, masks, feature_layer_ids=(0, 1))
+    assert verifier.runner.last_bucket == (4, 17)
+    written = torch.zeros(pool.num_slots + 1, dtype=torch.bool, device="cuda")
+    for sequence, tree_tokens, rows in zip(sequences, tokens, features):
+        slots = sequence.slots(sequence.length, len(tree_tokens)).cuda()
+        torch.testing.assert_close(pool.features[slots], rows.tensor())
+        written[slots] = True
+    written[-1] = True
+    assert not pool.features[~written].any(), "a padding row wrote a slot"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dflash_block_forward_from_graphs_equals_eager(dtype):
     """The DFlash drafter's block forward replayed from its graphs gives eager's log-probabilities and, in

@@ -74,7 +74,16 @@ class TreeVerifier:
     def _forward(self, rows: TreeRows):
         attention = PagedAttention(self.pool, rows.paged, kernels=self.kernels)
         logits, hidden = self.model(rows.tokens, rows.positions, attention, hidden_layer_ids=self.feature_layer_ids)
-        return logits, torch.cat(hidden, dim=-1) if hidden else None
+        features = torch.cat(hidden, dim=-1) if hidden else None
+        if features is not None and self.pool.features is not None:
+            self.pool.write_features(rows.paged.slots, features)
+        return logits, features
+
+    def keep_features(self, feature_layer_ids: tuple[int, ...]) -> None:
+        """Keep every token's features of these layers in the pool, at its slot (PagedKVCache.keep_features); call
+        before capturing, so that the graphs write them."""
+        if feature_layer_ids:
+            self.pool.keep_features(len(feature_layer_ids) * self.model.config.hidden_size, self.pool.data.dtype)
 
     def capture(self, feature_layer_ids: tuple[int, ...] = ()) -> None:
         if self.mirror is not None:  # every rank captures: the graphs hold their collectives
@@ -202,8 +211,11 @@ class TreeVerifier:
                              tokens=tokens, positions=positions, logits_rows=logits_rows,
                              feature_layer_ids=tuple(feature_layer_ids))
         device = self.pool.data.device
-        return self.model(tokens.to(device, non_blocking=True), positions.to(device, non_blocking=True), attention,
-                          logits_rows=logits_rows.to(device), hidden_layer_ids=feature_layer_ids)
+        logits, hidden = self.model(tokens.to(device, non_blocking=True), positions.to(device, non_blocking=True),
+                                    attention, logits_rows=logits_rows.to(device), hidden_layer_ids=feature_layer_ids)
+        if hidden and self.pool.features is not None:
+            self.pool.write_features(attention.inputs.slots, torch.cat(hidden, dim=-1))
+        return logits, hidden
 
 
 # KV pool of a CPU verifier (GPU pools are sized from free memory): enough for several long requests, small

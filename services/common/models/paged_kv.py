@@ -103,6 +103,25 @@ class PagedKVCache:
         self.move_staging: list[torch.Tensor | None] = [None, None]
         self.move_copies = StagingEvents(len(self.move_staging), self.data.is_cuda)
         self.move_turn = 0
+        # Where a drafter conditions on the target's hidden states (`keep_features`): a row of them per slot, written
+        # by the forward that writes the slot's keys and values and moved with them, plus one last row where
+        # padding rows write.
+        self.features: torch.Tensor | None = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.data.shape[2] * self.block_size
+
+    def keep_features(self, width: int, dtype: torch.dtype) -> None:
+        """Keep `width` feature values per slot from now on (those of earlier forwards are not kept)."""
+        if self.features is None or self.features.shape[1] != width or self.features.dtype != dtype:
+            self.features = torch.zeros(self.num_slots + 1, width, dtype=dtype, device=self.data.device)
+
+    def write_features(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """A forward's feature rows at its rows' slots (on the pool's device; slot -1: a padding row, which writes
+        the last row), as its keys and values are written."""
+        sink = torch.full_like(slots, len(self.features) - 1)
+        self.features.index_copy_(0, torch.where(slots < 0, sink, slots), rows.to(self.features.dtype))
 
     def move(self, source: torch.Tensor | list[int], target: torch.Tensor | list[int]) -> None:
         """Copy the keys and values of every layer at slots `source` to slots `target` (host tensors, or lists of
@@ -120,13 +139,15 @@ class PagedKVCache:
             source, target = _slot_tensor(source), _slot_tensor(target)
         if self.recorded_moves is not None:
             self.recorded_moves.append((source, target))
-        slabs = self.slabs
-        if not slabs.is_cuda:
-            kv_move_reference(slabs, source, target)
+        moved = [self.slabs] if self.features is None else [self.slabs, self.features[None]]
+        if not self.data.is_cuda:
+            for slabs in moved:
+                kv_move_reference(slabs, source, target)
             return
         source, target = self._slots_on_device(source, target)
         from treeserve.kernels.kv_move import kv_move  # (Triton: imported where a GPU is)
-        kv_move(slabs, source, target)
+        for slabs in moved:
+            kv_move(slabs, source, target)
 
     def _slots_on_device(self, source: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A move's slot numbers on the GPU, in one copy from a page-locked buffer allocated once, so that the copy
@@ -156,6 +177,8 @@ class PagedKVCache:
             from treeserve.kernels.kv_move import warm_up
 
             warm_up(self.slabs)
+            if self.features is not None:
+                warm_up(self.features[None])
 
     @contextlib.contextmanager
     def moves_together(self, hold: bool = False):
