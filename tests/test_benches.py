@@ -210,7 +210,7 @@ def test_tree_round_on_the_cpu(tmp_path):
     assert all(row["us"][phase] > 0 for row in report["rows"] for phase in ("plan", "forward", "commit", "emit"))
     assert all(row["us"]["total"] >= max(row["us"][phase] for phase in PHASES) for row in report["rows"])
     assert report["command"].startswith("python -m treeserve.bench.tree_round --target")
-    # Plain rounds that keep features, past a flush of the piled rows (FeatureBacklog.FLUSH_ROUNDS).
+    # Plain rounds that keep features (in the pool).
     assert main(["--target", str(target), "--batches", "3", "--budgets", "0", "--plain-keeps", "--feature-layers",
                  "0,1", "--context", "8", "--rounds", "40", "--warm-up", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())

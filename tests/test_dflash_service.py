@@ -193,8 +193,8 @@ class EveryFifthRound(FixedSpeculation):
 
 
 def test_features_of_plain_rounds_reach_the_drafter_when_it_next_drafts(tmp_path, target):
-    """Rounds without a draft keep their features on the way to the host (FeatureBacklog); the next draft gets
-    all of them, in order, and the output stays the target's own."""
+    """Rounds without a draft keep their features in the verifier's pool; the next draft gets all of them, in
+    order, and the output stays the target's own."""
     drafter = recording_drafter(target)
     outputs, _ = serve_prompts(tmp_path, target, drafter, EveryFifthRound())
     for prompt, output in zip(PROMPTS, outputs):

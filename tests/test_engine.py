@@ -219,11 +219,13 @@ def test_requests_batched_into_one_forward_each_get_their_own_output():
     assert [finished[i] for i in range(len(requests))] == references
 
 
-@pytest.mark.parametrize("pieces", [0, 8])
-def test_the_pool_keeps_every_tokens_features_at_its_slot(pieces):
-    """With features kept in the KV pool, each committed token's row of them is at its slot after every round:
-    prompts (packed, or in pieces), plain steps and trees whose accepted paths were moved down, requests joining and
-    leaving; the same rows the kept features hand out."""
+def run_rounds_keeping_features(pieces: int, on_round, seed: int = 0, hold_moves: bool = False,
+                                copies=None) -> int:
+    """Requests that keep features (drafted in another process) in rounds of random plain steps and drafted trees
+    over a pool that keeps them, requests joining a batch already decoding and leaving it; `on_round(running,
+    truth)` after each commit, `truth`: each generation's rows the forwards gave for its KV cache's tokens, in
+    order, copied as they were made. With `hold_moves` the accepted paths' KV moves wait for the next forward, as
+    the scheduler's do. Returns the rounds run."""
     from random_targets import random_tree
     from treeserve.models.paged_kv import PagedKVCache
     from treeserve.verifier.engine import commit_round, forward_batch
@@ -236,228 +238,102 @@ def test_the_pool_keeps_every_tokens_features_at_its_slot(pieces):
     verifier.prefill_pieces = pieces
     layers = (0, 1)
     verifier.keep_features(layers)
-    rng = random.Random(0)
-    running, round_number = [], 0
+    rng = random.Random(seed)
+    running, truth, round_number = [], {}, 0
     while running or round_number == 0:
         if round_number in (0, 3, 6):  # requests join a batch already decoding
             running += [Generation(model, tokenizer, prompt, GenerationParams(max_new_tokens=12), budget=8,
                                    feature_layer_ids=layers, verifier=verifier)
-                        for prompt in prompts(2, seed=round_number)]
+                        for prompt in prompts(2, seed=seed + round_number)]
         plans = []
         for generation in running:
             tree = None
-            if generation.prefilled and rng.random() < 0.7:  # else a plain step
+            if generation.prefilled and rng.random() < 0.6:  # else a plain step
                 tree = random_tree(rng.randint(2, 9), rng, VOCAB)
                 tree = DraftTree([generation.output_ids[-1]] + tree.tokens[1:], tree.parents)
             plans.append(generation.plan(tree))
-        commit_round(running, plans, *forward_batch(model, plans, layers, verifier))
-        for generation in [g for g in running if not g.finished]:  # (a finished one gave its blocks back)
-            kept = torch.cat(generation.features.chunks)  # every token but the newest: those in the KV cache
-            assert len(kept) == generation.cache.length == generation.committed_count - 1
-            torch.testing.assert_close(pool.features[generation.cache.slots(0, len(kept))], kept)
-        for generation in [g for g in running if g.finished]:
-            running.remove(generation)
+        pool.launch_held_moves()  # (a forward's caller launches the last commit's first)
+        logits, features = forward_batch(model, plans, layers, verifier)
+        if copies is not None:
+            features = copies.prepare(features, plans, [generation.features.keep for generation in running])
+        commit_round(running, plans, logits, features, copies, hold_moves=hold_moves)
+        for generation in running:
+            truth.setdefault(id(generation), []).append(generation.features.last.tensor().clone())
+        live = [generation for generation in running if not generation.finished]  # (the rest gave their blocks back)
+        on_round(live, {id(generation): torch.cat(truth[id(generation)]) for generation in live})
+        running = live
         round_number += 1
-    assert round_number > 6 and pool.allocator.free_count == pool.allocator.num_blocks
+    pool.launch_held_moves()
+    assert pool.allocator.free_count == pool.allocator.num_blocks
+    return round_number
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
-def test_kept_features_reach_the_host_in_order_when_flushed(device):
-    """FeatureBacklog: rows gathered over rounds land on each request's feature chunks in round order, one
-    chunk per request and hand-out, only when flushed (before a draft) or, without `prepare`, once BACKSTOP times
-    FLUSH_ROUNDS rounds piled up; on the host from a GPU too. A long request's views of shared copies get joined
-    into its own."""
-    from treeserve.verifier.engine import FeatureBacklog, TargetFeatures
-    from treeserve.verifier.rows import Rows
+@pytest.mark.parametrize("pieces", [0, 8])
+def test_the_pool_keeps_every_tokens_features_at_its_slot(pieces):
+    """With features kept in the KV pool, each committed token's row of them is at its slot after every round:
+    prompts (packed, or in pieces), plain steps and trees whose accepted paths were moved down, requests joining and
+    leaving."""
+    def check(running, truth):
+        for generation in running:
+            kept = truth[id(generation)]  # every token but the newest: those in the KV cache
+            assert len(kept) == generation.cache.length == generation.committed_count - 1
+            pool = generation.cache.cache
+            torch.testing.assert_close(pool.features[generation.cache.slots(0, len(kept))], kept)
 
-    a, b = (TargetFeatures((0,), keep=True) for _ in range(2))
-    sent = {id(a): [], id(b): []}
-    backlog = FeatureBacklog()
-    rows = iter(range(10000))
-
-    def round_of(*requests_and_counts):
-        for request, count in requests_and_counts:
-            values = [float(next(rows)) for _ in range(count)]
-            sent[id(request)].extend(values)
-            request.last = Rows(torch.tensor([[value] for value in values], device=device))
-        backlog.add([request for request, _ in requests_and_counts])
-
-    def received(request):
-        return torch.cat(request.chunks).flatten().tolist()
-
-    round_of((a, 3), (b, 1))  # a's prompt of three rows, b's plain step
-    round_of((b, 2))
-    round_of((a, 1), (b, 1))
-    assert a.chunks == [] and b.chunks == []  # nothing moved yet
-    backlog.flush()
-    assert [chunk.flatten().tolist() for chunk in a.chunks] == [[0, 1, 2, 6]]
-    assert [chunk.flatten().tolist() for chunk in b.chunks] == [[3, 4, 5, 7]]
-    backlog.flush()  # nothing left: nothing added
-    assert len(a.chunks) == 1 and len(b.chunks) == 1
-    for _ in range(FeatureBacklog.BACKSTOP * FeatureBacklog.FLUSH_ROUNDS - 1):
-        round_of((a, 1))
-    assert len(a.chunks) == 1 and backlog.rounds
-    round_of((a, 1))
-    assert len(a.chunks) == 2 and not backlog.rounds  # moved without a flush
-    backlog.flush()  # (from a GPU, that copy may still be running until a flush)
-    assert received(a) == sent[id(a)] and received(b) == sent[id(b)]
-    assert all(chunk.device.type == "cpu" for chunk in a.chunks)
-    for _ in range(3 * FeatureBacklog.JOIN_CHUNKS):
-        round_of((b, 2), (a, 1))
-        backlog.flush()
-    assert received(a) == sent[id(a)] and received(b) == sent[id(b)]
-    views = [chunk for chunk in a.chunks if chunk._base is not None]
-    assert len(a.chunks) <= 3 + FeatureBacklog.JOIN_CHUNKS and len(views) <= FeatureBacklog.JOIN_CHUNKS
+    assert run_rounds_keeping_features(pieces, check) > 6
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
-def test_kept_features_of_a_few_requests_among_a_forwards_rows(device):
-    """FeatureBacklog, as a round leaves it: the requests that keep features hold scattered rows of one output they
-    share with the rest (a plain step's row, a tree's accepted nodes, a prompt's rows), and each gets exactly its
-    own rows, in round order, whatever the next round writes into that output."""
-    from treeserve.verifier.engine import FeatureBacklog, TargetFeatures
-    from treeserve.verifier.rows import Rows
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kept_feature_rows_hand_a_drafter_each_row_once_in_order(seed):
+    """kept_feature_rows, as a drafter link asks for them (from the row after the last it was sent), in rounds
+    that draft at random while the last commit's KV moves still wait: every request's rows arrive in order, none
+    twice, none missing, the same rows the forwards gave; after a round that drafted every request's tree, the next
+    takes them all from the host copies, with no gather from the pool."""
+    from treeserve.verifier.engine import FeatureCopies, kept_feature_rows
 
-    a, b, c = (TargetFeatures((0,), keep=True) for _ in range(3))
-    backlog = FeatureBacklog()
-    output = torch.empty(12, 2, device=device)  # a forward's outputs, overwritten every round
-    expected = {id(a): [], id(b): [], id(c): []}
-    rounds = [
-        [(a, range(2, 3)), (b, [4, 6, 7]), (c, range(8, 12))],  # a plain step, accepted tree nodes, a prompt
-        [(b, range(0, 1)), (c, range(11, 12))],
-        [(a, [5, 9]), (c, range(3, 4))],
-    ]
-    for number, kept in enumerate(rounds):
-        output.copy_(torch.arange(24, dtype=torch.float32).view(12, 2) + 100 * number)
-        for request, index in kept:
-            request.last = Rows(output, index)
-            expected[id(request)] += output[list(index)].tolist()
-        backlog.add([request for request, _ in kept])
-    output.fill_(-1)  # the next replay: copied rows must not see it
-    backlog.flush()
-    for request in (a, b, c):
-        assert torch.cat(request.chunks).tolist() == expected[id(request)]
+    rng = random.Random(seed)
+    copies = FeatureCopies()
+    received, sent = {}, {}
 
+    def draft(running, truth):
+        if not running or rng.random() < 0.4:
+            return  # no drafts this round: the rows wait in the pool
+        gathers = []
+        pool = running[0].cache.cache
+        gather_from_pool = pool.feature_rows
+        pool.feature_rows = lambda slots: gathers.append(len(slots)) or gather_from_pool(slots)
+        try:
+            found = kept_feature_rows(running, [sent.get(id(generation), 0) for generation in running])
+        finally:
+            del pool.feature_rows
+        all_recent = all(generation.features.recent is not None
+                         and sent.get(id(generation)) == generation.features.recent_start for generation in running)
+        if all_recent:
+            assert gathers == []
+        for generation, parts in zip(running, found):
+            received.setdefault(id(generation), []).extend(parts)
+            sent[id(generation)] = generation.cache.length
+            torch.testing.assert_close(torch.cat(received[id(generation)]), truth[id(generation)])
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
-def test_prepared_features_are_copied_at_launch_and_moved_when_due(device):
-    """FeatureBacklog.prepare, at a forward's launch: the rows of the plans that keep features are copied then
-    (what overwrites the output before the commit does not reach them), the others' left as they are; the commit's
-    `add` piles the copies without copying again; and once FLUSH_ROUNDS rounds have piled up, the next launch moves
-    them to the host."""
-    from treeserve.verifier.engine import FeatureBacklog, TargetFeatures
-    from treeserve.verifier.rows import Rows
-
-    keeping, plain = TargetFeatures((0,), keep=True), TargetFeatures((0,), keep=False)
-    backlog = FeatureBacklog()
-    output = torch.empty(6, 2, device=device)  # a forward's outputs: a plain step's row, a tree's five
-    expected = []
-    for number in range(FeatureBacklog.FLUSH_ROUNDS + 1):
-        output.copy_(torch.arange(12, dtype=torch.float32, device=device).view(6, 2) + 100 * number)
-        moved_before = len(keeping.chunks)
-        features = backlog.prepare([Rows(output, range(0, 1)), Rows(output, range(1, 6))], [False, True])
-        assert features[0].source is output and features[1].source is not output
-        assert len(keeping.chunks) == moved_before + (number == FeatureBacklog.FLUSH_ROUNDS)
-        accepted = [0, 2, 3]  # the tree's root and an accepted path
-        expected += output[[1 + node for node in accepted]].tolist()
-        output.fill_(-1)  # the next replay, before this round's commit
-        keeping.take(features[1], accepted)
-        plain.take(features[0], [0])
-        copies = len(backlog.copies)
-        backlog.add([keeping])
-        assert backlog.copies[copies].data_ptr() == features[1].source.data_ptr()  # piled as prepared: no copy
-    backlog.flush()
-    assert torch.cat(keeping.chunks).tolist() == expected
+    assert run_rounds_keeping_features(0, draft, seed=seed, hold_moves=True, copies=copies) > 6
+    assert received
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
-def test_plain_rounds_of_requests_that_keep_features_are_piled_whole(device):
-    """Plain rounds whose requests all keep features (adaptive speculation between trees): each request's root is
-    row i of the output, piled as one round; rounds of the same requests are grouped in one stack for all of them,
-    and a stretch that changes its requests or meets a tree round still gives each request its own rows in order."""
-    from treeserve.verifier.engine import FeatureBacklog, TargetFeatures
-    from treeserve.verifier.rows import Rows
+def test_a_request_that_keeps_features_needs_a_pool_that_keeps_them():
+    """A request drafted in another process gets its features from the pool: without a pool that keeps them, it
+    is refused with a clear error rather than failing at its first draft."""
+    from treeserve.models.paged_kv import PagedKVCache
+    from treeserve.verifier.graphs import TreeVerifier
 
-    a, b, c = (TargetFeatures((0,), keep=True) for _ in range(3))
-    backlog = FeatureBacklog()
-    output = torch.empty(8, 2, device=device)  # a forward's outputs, overwritten every round
-    expected = {id(a): [], id(b): [], id(c): []}
-    number = 0
-
-    def plain_round(*requests):
-        nonlocal number
-        number += 1
-        output.copy_(torch.arange(16, dtype=torch.float32, device=device).view(8, 2) + 100 * number)
-        features = backlog.prepare([Rows(output, range(i, i + 1)) for i in range(len(requests))],
-                                   [True] * len(requests))
-        for request, rows in zip(requests, features):
-            expected[id(request)] += output[rows.index].tolist()
-        output.fill_(-1)  # the next replay, before this round's commit
-        for request, rows in zip(requests, features):
-            request.take(rows, [0])
-        backlog.add(list(requests))
-
-    for _ in range(3):
-        plain_round(a, b, c)
-    assert len(backlog.kept) == 3  # one entry a round, not one a request
-    backlog.flush()
-    assert [chunk.shape[0] for chunk in a.chunks] == [3]
-    assert a.chunks[0]._base is not None and a.chunks[0]._base is c.chunks[0]._base  # one grouping for all
-    plain_round(a, b, c)
-    plain_round(c, a)  # b left, the rest reordered
-    number += 1
-    output.copy_(torch.arange(16, dtype=torch.float32, device=device).view(8, 2) + 100 * number)
-    for request, index in ((a, [1, 3]), (c, range(5, 7))):  # a tree round: accepted nodes, a run
-        request.last = Rows(output, index)
-        expected[id(request)] += output[list(index)].tolist()
-    backlog.add([a, c])
-    plain_round(a, c)
-    number += 1  # a plain round through `add` alone (no `prepare`): copied as it is piled
-    output.copy_(torch.arange(16, dtype=torch.float32, device=device).view(8, 2) + 100 * number)
-    for i, request in enumerate((a, c)):
-        request.last = Rows(output, range(i, i + 1))
-        expected[id(request)] += output[[i]].tolist()
-    backlog.add([a, c])
-    output.fill_(-1)
-    backlog.flush()
-    for request in (a, b, c):
-        assert all(chunk.device.type == "cpu" for chunk in request.chunks)
-        assert torch.cat(request.chunks).tolist() == expected[id(request)]
-
-
-def test_kept_features_flushed_every_round_are_each_requests_own_rows():
-    """FeatureBacklog flushed after every round, as drafting rounds flush it: each request's rows of that round
-    (one run, or scattered accepted nodes; in order together, or not), whatever the next round writes."""
-    import random
-
-    from treeserve.verifier.engine import FeatureBacklog, TargetFeatures
-    from treeserve.verifier.rows import Rows
-
-    rng = random.Random(0)
-    requests = [TargetFeatures((0,), keep=True) for _ in range(4)]
-    expected = {id(request): [] for request in requests}
-    backlog = FeatureBacklog()
-    output = torch.empty(4 * 9, 2)
-    for number in range(40):
-        output.copy_(torch.arange(72, dtype=torch.float32).view(36, 2) + 100 * number)
-        kept = []
-        for b, request in enumerate(rng.sample(requests, rng.randrange(1, 5))):
-            if rng.random() < 0.5:
-                index = range(9 * b, 9 * b + rng.randrange(1, 10))
-            else:
-                index = sorted(rng.sample(range(9 * b, 9 * b + 9), rng.randrange(1, 10)))
-            request.last = Rows(output, index)
-            expected[id(request)] += output[list(index)].tolist()
-            kept.append(request)
-        backlog.add(kept)
-        backlog.flush()
-        output.fill_(-1)
-    for request in requests:
-        assert torch.cat(request.chunks).tolist() == expected[id(request)]
+    model = random_target("llama", seed=7, vocab_size=VOCAB)
+    pool = PagedKVCache(model.config, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu")
+    verifier = TreeVerifier(model, pool, max_batch=1, max_tree=9)
+    with pytest.raises(TreeserveError, match="kept in the verifier's pool"):
+        Generation(model, word_tokenizer(VOCAB), [1, 2], GenerationParams(max_new_tokens=4), budget=8,
+                   feature_layer_ids=(0,), verifier=verifier)
+    verifier.keep_features((0,))
+    Generation(model, word_tokenizer(VOCAB), [1, 2], GenerationParams(max_new_tokens=4), budget=8,
+               feature_layer_ids=(0,), verifier=verifier).release()
 
 
 def test_committing_a_round_stops_where_checking_every_token_stops():

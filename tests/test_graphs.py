@@ -192,9 +192,9 @@ def test_prompts_in_pieces_match_one_packed_prefill(device):
         got_logits, got_features = in_pieces.prefill_in_pieces(sequences[0], prompts, feature_layer_ids=(0, 1))
         attention = PagedAttention.for_prompts(sequences[1], lengths)
         last_rows = torch.tensor(lengths).cumsum(0) - 1
-        want_logits, hidden = packed.prefill(attention, torch.tensor(sum(prompts, [])),
-                                             torch.cat([torch.arange(n) for n in lengths]), last_rows, (0, 1))
-    want_features = torch.cat(hidden, dim=-1).split(lengths)
+        want_logits, features = packed.prefill(attention, torch.tensor(sum(prompts, [])),
+                                               torch.cat([torch.arange(n) for n in lengths]), last_rows, (0, 1))
+    want_features = features.split(lengths)
     close = lambda got, want: torch.testing.assert_close(  # noqa: E731
         got, want, atol=tolerance * want.abs().max().clamp(min=1).item(), rtol=tolerance)
     for b, n in enumerate(lengths):

@@ -614,7 +614,7 @@ def test_a_rounds_draft_messages_go_out_before_the_loop_runs_anything_else(tmp_p
     import types
 
     from treeserve.framing import FramedCall
-    from treeserve.verifier.engine import FeatureBacklog
+    from treeserve.verifier.engine import FeatureCopies
 
     async def main():
         drafters = [await start_drafter(tmp_path, name) for name in ("one", "two")]
@@ -633,7 +633,7 @@ def test_a_rounds_draft_messages_go_out_before_the_loop_runs_anything_else(tmp_p
         for budgets in ({"a": 4, "b": 4, "c": 4}, {"a": 4, "c": 2}):  # two drafters, then one
             order.clear()
             asyncio.get_running_loop().call_soon(order.append, "ready before")
-            drafts = await verifier_round.draft(asking, budgets, {}, FeatureBacklog())
+            drafts = await verifier_round.draft(asking, budgets, {}, FeatureCopies())
             assert order[-1] == "ready before" and len(order) == 1 + len(drafts)
             assert {request_id for found in drafts for request_id in found.trees} == set(budgets)
             assert all(tree.tokens[0] == 2 for found in drafts for tree in found.trees.values())

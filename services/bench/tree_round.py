@@ -5,7 +5,8 @@ graphs: padded to its (batch, tree size) bucket and copied into the bucket's sta
 itself is a stub that computes nothing. For each budget (0: plain rounds) and batch, that many requests are
 prefilled with random prompts of --context tokens, then take rounds the way the verifier's `speculative_round`
 takes them, each phase timed on its own: the DraftTree objects made from the drafter's reply (`trees`), the kept
-target features' flush before the drafts (`flush`), the plans (`plan`), the forward's host work (`forward`:
+target features' rows for the Draft messages (`features`: the host copies of the last round's drafted trees, and
+rows gathered from the pool where a round before was plain), the plans (`plan`), the forward's host work (`forward`:
 bucket, staging, copies into the static inputs, the outputs' rows), the commit (`commit`: the walk, the stop
 checks, the KV kept, the features kept) and the emit (`emit`: the stream's messages and the round's report).
 
@@ -14,9 +15,8 @@ positions, a new tree for every request and round, so that hardly two have one s
 drawn instead of computed: at each node of the walk, with probability --accept one of its children (its first,
 the drafter's likeliest, more often than the others), else a token none of them holds. In tree rounds requests
 keep the target features of --feature-layers, as a verifier linked to a DFlash or merged drafter has them keep
-them; with --plain-keeps, plain rounds keep them too, as adaptive speculation's requests do between trees (their
-rows piled round by round and moved to the requests every FeatureBacklog.FLUSH_ROUNDS rounds, at their real
-width: that move is host work on a GPU too).
+them; with --plain-keeps, plain rounds keep them too, as adaptive speculation's requests do between trees (in the
+pool, which on a GPU the graphs write: no host work).
 
 Each figure is the median host microseconds of a phase over --rounds rounds after --warm-up rounds; `total` is
 the median of the rounds' sums and `total_mean` their mean, which counts work done once every few rounds.
@@ -39,7 +39,7 @@ from treeserve.bench import host_work_rows, print_report
 from treeserve.errors import TreeserveError
 from treeserve.settings import OneLineErrorParser
 
-PHASES = ("trees", "flush", "plan", "forward", "commit", "emit")
+PHASES = ("trees", "features", "plan", "forward", "commit", "emit")
 BLOCK_POSITIONS = 15  # drafted positions of a DFlash block (the shipped drafter's block_size 16, minus the root)
 
 
@@ -125,12 +125,12 @@ def picks(tree, rng: random.Random, accept: float, vocab: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def device_work_stubbed(verifier, feature_layer_ids: tuple[int, ...], real_width: bool):
+def device_work_stubbed(verifier, feature_layer_ids: tuple[int, ...]):
     """Inside, the verifier's runner stages and loads every forward as it would for CUDA graphs, with replays that
     compute nothing (static inputs at the maxima, one "graph" per bucket whose outputs are preallocated), and the
-    pool's KV moves are made ready as on the CPU but not done (on a GPU, a kernel's work). The features are one
-    column a layer, or with `real_width` a hidden state a layer: each round's copy of them is the device's on a
-    GPU (here a host copy, of every tree row), but handing out many rounds' rows at once copies them on the host."""
+    pool's KV moves are made ready as on the CPU but not done (on a GPU, a kernel's work). The forward's features
+    are one column a layer: each round's copy of a drafted tree's rows is the device's on a GPU (here a host copy);
+    rows gathered from the pool are at their real width, a gather on the device and a copy to the host on a GPU."""
     import torch
 
     from treeserve.models import paged_kv
@@ -138,7 +138,7 @@ def device_work_stubbed(verifier, feature_layer_ids: tuple[int, ...], real_width
 
     runner = verifier.runner
     runner.static = runner._allocate_static()
-    width = len(feature_layer_ids) * (verifier.model.config.hidden_size if real_width else 1)
+    width = len(feature_layer_ids)
     for batch, rows in runner.buckets:
         outputs = (torch.zeros(batch * rows, 1),
                    torch.zeros(batch * rows, width, dtype=verifier.model.dtype) if width else None)
@@ -158,7 +158,7 @@ def measure_cell(target, args, budget: int, batch: int) -> dict:
     import torch
 
     from treeserve.params import GenerationParams
-    from treeserve.verifier.engine import FeatureBacklog, Generation, commit_round, forward_batch
+    from treeserve.verifier.engine import FeatureCopies, Generation, commit_round, forward_batch
     from treeserve.verifier.graphs import build_verifier
 
     model, cfg = target.model, target.model.config
@@ -167,21 +167,20 @@ def measure_cell(target, args, budget: int, batch: int) -> dict:
     max_new = total_rounds * (min(budget, BLOCK_POSITIONS) + 1) + 2
     layers = args.feature_layers if budget or args.plain_keeps else ()
     verifier = build_verifier(model, batch, kv_cache_tokens=batch * (args.context + max_new + budget + 16))
+    verifier.keep_features(layers)
     rng = random.Random(args.seed)
     generations = [Generation(model, target.tokenizer, [rng.randrange(cfg.vocab_size) for _ in range(args.context)],
                               GenerationParams(max_new_tokens=max_new, ignore_eos=True), None, budget, layers,
                               verifier=verifier) for _ in range(batch)]
-    backlog = FeatureBacklog()
+    copies = FeatureCopies()
     try:
         with torch.inference_mode():
             plans = [generation.plan(None) for generation in generations]  # the prefills, for real
             logits, features = forward_batch(model, plans, layers, verifier)
-            commit_round(generations, plans, logits, features, backlog)
+            commit_round(generations, plans, logits, features, copies)
         trees = draft_trees(batch * total_rounds, budget, cfg.vocab_size, args.seed) if budget else []
-        # Plain rounds' features at their real width: what they cost is mostly the host's copy as they are handed
-        # out, of few rows a round.
-        with device_work_stubbed(verifier, layers, real_width=budget == 0), torch.inference_mode():
-            samples, accepted = timed_rounds(model, verifier, generations, backlog, trees, layers, rng, args)
+        with device_work_stubbed(verifier, layers), torch.inference_mode():
+            samples, accepted = timed_rounds(model, verifier, generations, copies, trees, layers, rng, args)
     finally:
         for generation in generations:
             generation.release()
@@ -190,14 +189,14 @@ def measure_cell(target, args, budget: int, batch: int) -> dict:
     return {"budget": budget, "batch": batch, "accepted_nodes": round(statistics.mean(accepted), 3), "us": us}
 
 
-def timed_rounds(model, verifier, generations: list, backlog, trees: list, layers: tuple[int, ...],
+def timed_rounds(model, verifier, generations: list, copies, trees: list, layers: tuple[int, ...],
                  rng: random.Random, args) -> tuple[dict[str, list[float]], list[float]]:
     """The rounds, as `speculative_round` takes them: each timed round's microseconds by phase (and in all), and
     its mean accepted nodes a request."""
     from treeserve.v1 import drafter_pb2, verifier_pb2
     from treeserve.verifier import round as rounds
     from treeserve.verifier.drafter_link import DrafterLink
-    from treeserve.verifier.engine import commit_round, forward_batch
+    from treeserve.verifier.engine import commit_round, forward_batch, kept_feature_rows
 
     vocab, batch = model.config.vocab_size, len(generations)
     link = types.SimpleNamespace(lookup_trees=True)  # a merged drafter's: its trees say how long their lookup chain is
@@ -205,6 +204,7 @@ def timed_rounds(model, verifier, generations: list, backlog, trees: list, layer
     ids = [f"r{i}" for i in range(batch)]
     samples: dict[str, list[float]] = {phase: [] for phase in (*PHASES, "total")}
     accepted = []
+    rows_sent = [0] * batch  # as a DrafterLink counts them
     for turn in range(args.warm_up + args.rounds):
         reply = drafter_pb2.DraftResponse(round=turn)
         for i, generation in enumerate(generations if trees else ()):
@@ -214,17 +214,19 @@ def timed_rounds(model, verifier, generations: list, backlog, trees: list, layer
         started = time.perf_counter()
         found = {tree.request_id: DrafterLink._tree(link, tree, False) for tree in reply.trees}
         built = time.perf_counter()
-        if trees:
-            backlog.flush()
+        if trees and layers:
+            copies.wait()
+            kept_feature_rows(generations, rows_sent)
+            rows_sent = [generation.cache.length for generation in generations]
         flushed = time.perf_counter()
         plans = [rounds.plan(ids[i], generation, found.get(ids[i])) for i, generation in enumerate(generations)]
         planned = time.perf_counter()
         logits, features = forward_batch(model, plans, layers, verifier)
-        features = backlog.prepare(features, [generation.features.keep for generation in generations])
+        features = copies.prepare(features, plans, [generation.features.keep for generation in generations])
         forwarded = time.perf_counter()
         choices = [picks(plan.tree, rng, args.accept, vocab) for plan in plans]  # the device's, not timed
         picked = time.perf_counter()
-        committed = commit_round(generations, plans, logits, features, backlog, choices)
+        committed = commit_round(generations, plans, logits, features, copies, choices)
         done = time.perf_counter()
         report = rounds.RoundReport(batch, None, {}, [])
         for request_id, generation, plan, tokens, outbox in zip(ids, generations, plans, committed, outboxes):
@@ -243,7 +245,7 @@ def timed_rounds(model, verifier, generations: list, backlog, trees: list, layer
             raise TreeserveError("a request finished before its rounds did")
         if turn < args.warm_up:
             continue
-        times = {"trees": built - started, "flush": flushed - built, "plan": planned - flushed,
+        times = {"trees": built - started, "features": flushed - built, "plan": planned - flushed,
                  "forward": forwarded - planned, "commit": done - picked, "emit": emitted - done}
         times["total"] = sum(times.values())
         for phase, seconds in times.items():

@@ -53,9 +53,14 @@ async def serve(args, shard=None, followers=()) -> None:
     try:
         target = await on_compute(load_target, args.target, args.device, args.dtype, shard)
         graphs = graphs_wanted(args.cuda_graphs, args.device)
+        # The drafters up now: the pool leaves room for the target features they condition on.
+        feature_layer_ids = ()
+        for link in links:
+            if await link.connect() and link.feature_layer_ids and not feature_layer_ids:
+                feature_layer_ids = link.feature_layer_ids
         verifier = await on_compute(functools.partial(
             build_mirrored_verifier, target.model, mirror, max_batch=args.max_batch, graphs=graphs,
-            kv_cache_tokens=args.kv_cache_tokens))
+            kv_cache_tokens=args.kv_cache_tokens, feature_layer_ids=feature_layer_ids))
     except BaseException:
         await serving.abandon(service)
         raise

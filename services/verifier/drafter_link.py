@@ -24,6 +24,7 @@ from treeserve.framing import FramedCall
 from treeserve.serving import client_options, normalize_address, unix_socket_path
 from treeserve.tree import DraftTree
 from treeserve.v1 import drafter_pb2, drafter_pb2_grpc
+from treeserve.verifier.engine import kept_feature_rows
 from treeserve.wire import features_to_proto
 
 log = logging.getLogger("treeserve.verifier")
@@ -311,11 +312,15 @@ class DrafterLink:
         waves: list[list[ContextPiece]] = []
         if self.region is not None:
             self.region.clear()  # the drafter has answered every message before this round's
-        for request_id, generation in requests.items():
+        with_features = bool(self.feature_layer_ids) and not lookup_only
+        if with_features:  # every row since the last the drafter was sent, for all requests at once
+            feature_rows = kept_feature_rows(list(requests.values()),
+                                             [self.rows_sent.get(request_id, 0) for request_id in requests])
+        for i, (request_id, generation) in enumerate(requests.items()):
             sent, features = self.sent.get(request_id, 0), None
-            if self.feature_layer_ids and not lookup_only:
-                rows = generation.features.rows_since(self.rows_sent.get(request_id, 0))
-                self.rows_sent[request_id] = generation.committed_count - 1  # every token but the root
+            if with_features:
+                rows = feature_rows[i]
+                self.rows_sent[request_id] = generation.cache.length  # every token but the root
                 features = self.region.place(rows) if self.region is not None else None
                 if features is None:
                     features = rows[0] if len(rows) == 1 else torch.cat(rows)

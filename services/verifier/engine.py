@@ -25,7 +25,7 @@ from treeserve.tokenizer import Tokenizer
 from treeserve.tree import MAX_BUDGET, DraftPoolFull, DraftTree, Drafter, TreeShape
 from treeserve.verifier.acceptance import chain_accepted, walk_tree
 from treeserve.verifier.graphs import TreeVerifier, causal_mask
-from treeserve.verifier.rows import Rows, gather, is_run, run_index, select_rows
+from treeserve.verifier.rows import Rows, gather, is_run
 
 
 @dataclasses.dataclass
@@ -128,12 +128,12 @@ def _forward_packed(model: DecoderLM, plans: list[ForwardPlan], feature_layer_id
         attention = BatchAttention([TreeAttention(plan.cache, _mask(plan).to(device)) for plan in plans])
         logits, hidden = model(tokens.to(device, non_blocking=True), positions.to(device, non_blocking=True),
                                attention, logits_rows=rows.to(device), hidden_layer_ids=feature_layer_ids)
+        features = torch.cat(hidden, dim=-1) if hidden else None
     else:
-        logits, hidden = verifier.prefill(attention, tokens, positions, rows, feature_layer_ids)
+        logits, features = verifier.prefill(attention, tokens, positions, rows, feature_layer_ids)
     logits_per_plan = [Rows(logits, span) for span in _spans([len(plan.logits_rows) for plan in plans])]
-    if not feature_layer_ids:
+    if features is None:
         return logits_per_plan, [None] * len(plans)
-    features = torch.cat(hidden, dim=-1)
     return logits_per_plan, [Rows(features, span) for span in _spans([len(plan.tokens) for plan in plans])]
 
 
@@ -151,19 +151,23 @@ def _mask(plan: ForwardPlan) -> torch.Tensor:
 
 class TargetFeatures:
     """One request's target hidden states at the layers a drafter conditions on (`layer_ids`): `last`, the rows
-    of the tokens the last forward moved into the KV cache (valid until the next forward), and where a drafter in
-    another process needs them all (`keep`), every row so far in `chunks`, on the host, moved there by a
-    FeatureBacklog: to send on, and to resend a drafter that lost its context."""
+    of the tokens the last forward moved into the KV cache (valid until the next forward).
+
+    A request drafted by a drafter in another process (`keep`) has a row for every token in its KV cache kept in
+    the verifier's pool, at the token's slot (TreeVerifier.keep_features): to send on, and to resend a drafter that
+    lost its context (`kept_feature_rows`). Where its last forward verified a drafted tree, that forward's kept rows
+    are on the host too (`recent`, rows `recent_start` on, copied as the forward was launched: FeatureCopies), so
+    that a drafter drafting every round gets them without a wait on the device."""
 
     def __init__(self, layer_ids: tuple[int, ...], keep: bool):
         self.layer_ids, self.keep = layer_ids, keep
         self.last: Rows | None = None
-        self.chunks: list[torch.Tensor] = []
+        self.recent: Rows | None = None
+        self.recent_start = 0
 
     def take(self, features: Rows | None, kept: list[int]) -> None:
-        """A forward's rows for this request, of which the KV cache kept `kept` (ascending). Only rows of the
-        forward's output: a FeatureBacklog gathers them with every other request's, without a tensor op per
-        request and round."""
+        """A forward's rows for this request, of which the KV cache kept `kept` (ascending), named without a tensor
+        op (Rows)."""
         if features is None:
             raise TreeserveError("this generation needs target features, and the forward gave none")
         if len(kept) == len(features):
@@ -172,121 +176,55 @@ class TargetFeatures:
             contiguous = kept[-1] == len(kept) - 1  # ascending rows: only a prefix ends at its own length - 1
             self.last = features[:len(kept)] if contiguous else features.select(kept)
 
-    def rows_since(self, start: int) -> list[torch.Tensor]:
-        """Kept rows from row `start` on (row i: the i-th token of the prompt and output), as views of the chunks
-        that hold them, oldest first: one empty tensor where there are none."""
-        chunks, end = [], sum(len(chunk) for chunk in self.chunks)
-        for chunk in reversed(self.chunks):  # usually only the newest chunk or two are needed
-            if end <= start:
-                break
-            chunks.append(chunk[max(0, start - (end - len(chunk))):])
-            end -= len(chunk)
-        if not chunks:
-            width = self.chunks[0].shape[1] if self.chunks else 0
-            return [torch.empty(0, width)]
-        return chunks[::-1]
 
+class FeatureCopies:
+    """Host copies of the feature rows of drafted trees, for the requests that keep features
+    (`TargetFeatures.recent`).
 
-class FeatureBacklog:
-    """The target features of requests that keep them (for a drafter in another process), copied to the host round
-    by round and handed to each request's `chunks` together: when a drafter is about to need them (`flush`), or
-    once FLUSH_ROUNDS rounds or FLUSH_BYTES have piled up. Handing them out is host work per request, which plain
-    rounds need not pay every round.
-
-    The scheduler calls `prepare` as it launches a forward: the forward's rows of the requests that keep features
-    are copied then, one slice of each output, queued behind the forward and, from a GPU, straight to page-locked
-    host memory, so that neither the copy's launch nor a wait for it falls between the verification and the next
-    Draft message: `flush` groups rows already on the host. (`add` copies the same way for callers without
-    `prepare`.) A request's chunks are views of one grouping for many requests, which stays allocated while any of
-    them holds a view: every JOIN_CHUNKS groupings, a request's newest views are joined into a tensor of its own,
-    so a long request does not hold the page-locked memory of every round it was in.
-
-    A plain round of requests that all keep features (adaptive speculation between trees) is piled whole, without
-    a step per request: each request's root is row i of one output (`_one_row_each`), and rounds of the same
-    requests are grouped in one stack."""
-
-    FLUSH_ROUNDS, FLUSH_BYTES, JOIN_CHUNKS = 32, 64 << 20, 8
-    # Without `prepare`, `add` flushes the pile itself, at this many times the bounds: a backstop for its other
-    # callers.
-    BACKSTOP = 2
-    LISTED_ROWS = 512  # rows of one round that _grouped orders as Python lists
+    The scheduler calls `prepare` as it launches a forward: the rows of each plan that verifies a drafted tree for
+    a request that keeps features are copied then, one slice of each output, queued behind the forward and, from a
+    GPU, into page-locked host memory, so that neither the copy's launch nor a wait for it falls between the
+    verification and the next Draft message (`wait` finds it done). Plain steps and prompts copy nothing: their rows
+    are read from the pool when a drafter next needs them."""
 
     def __init__(self):
-        self.copies: list[torch.Tensor] = []  # each round's copied rows, one run of each source's
-        self.piled_rows = 0  # rows in `copies`
-        # (a request's features, its kept rows of one round: a range or a list of row numbers in the piled copies),
-        # or a plain round's requests, whole
-        self.kept: list[tuple[TargetFeatures, range | list[int]] | PlainRound] = []
-        self.rounds = self.bytes = 0
+        self.copies: list[torch.Tensor] = []  # the last forward's copies: the sources of its prepared rows
         self.copied: torch.cuda.Event | None = None  # where the last copy to the host ends, while one may run
         self.copy_event: torch.cuda.Event | None = None  # the event `copied` is, made once
-        self.launch_copies: list[torch.Tensor] = []  # the forward's rows that `prepare` copied, until `add`
 
-    def prepare(self, features: list[Rows | None], keeps: list[bool]) -> list[Rows | None]:
-        """At a forward's launch, behind it on the device: a transfer of the rows piled so far if one is due, and a
-        copy of the rows of each plan that `keeps` its features (a CUDA graph's outputs are overwritten by its next
-        replay), one slice of each output, to page-locked host memory from a GPU. Returns the plans' features, those
-        rows now in the copies; `add` piles them as they are."""
-        if self.rounds >= self.FLUSH_ROUNDS or self.bytes >= self.FLUSH_BYTES:
-            self.flush()
-        self.launch_copies = []
-        roots = _one_row_each(features) if all(keeps) else None
-        if roots is not None:  # a plain round's: one copy, the rows' indexes as they are
-            copy = self._host_copy(roots)
-            self.launch_copies.append(copy)
-            return [Rows(copy, rows.index) for rows in features]
-        spans = _spans_of_sources([rows for rows, keep in zip(features, keeps) if keep and rows is not None])
+    def prepare(self, features: list[Rows | None], plans: list[ForwardPlan], keeps: list[bool]
+                ) -> list[Rows | None]:
+        """At a forward's launch, behind it on the device: a copy of the rows of each plan with a drafted tree
+        that `keeps` its features (a CUDA graph's outputs are overwritten by its next replay). Returns the plans'
+        features, those rows now in the copies."""
+        self.copies = []
+        copied = [keep and rows is not None and plan.tree is not None and plan.tree.size > 1
+                  for rows, plan, keep in zip(features, plans, keeps)]
+        spans = _spans_of_sources([rows for rows, copy in zip(features, copied) if copy])
         if not spans:
             return features
         copies = {}  # id(source) -> (the copy of its span, the span's first row)
         for key, (source, first, end) in spans.items():
             copies[key] = (self._host_copy(source[first:end]), first)
-            self.launch_copies.append(copies[key][0])
+            self.copies.append(copies[key][0])
         prepared = []
-        for rows, keep in zip(features, keeps):
-            if keep and rows is not None:
-                copy, first = copies[id(rows.source)]
-                rows = Rows(copy, _shifted(rows.index, -first))
+        for rows, copy in zip(features, copied):
+            if copy:
+                source, first = copies[id(rows.source)]
+                rows = Rows(source, _shifted(rows.index, -first))
             prepared.append(rows)
         return prepared
 
-    def add(self, requests: list[TargetFeatures]) -> None:
-        """This round's `last` rows of these requests, piled as one slice of each source holding all of them
-        (copied, unless `prepare` copied that source). Only their rows go to the host (`_to_host`): gathering them
-        by index here would make an index and page-lock it in every round."""
-        if not requests:
-            return
-        roots = _one_row_each([features.last for features in requests])
-        if roots is not None:
-            self.kept.append(PlainRound(requests, self.piled_rows))
-            self._pile(requests[0].last.source, roots)
-            self._round_piled()
-            return
-        spans = _spans_of_sources([features.last for features in requests])
-        shift = {}  # id(source) -> what turns its row numbers into row numbers of the piled copies
-        for key, (source, first, end) in spans.items():
-            shift[key] = self.piled_rows - first
-            self._pile(source, source[first:end])
-        for features in requests:
-            rows = features.last
-            by = shift[id(rows.source)]
-            index = rows.index
-            self.kept.append((features, _shifted(index, by)))
-        self._round_piled()
-
-    def _pile(self, source: torch.Tensor, rows: torch.Tensor) -> None:
-        """These rows of `source`, piled: as they are where `source` is a copy `prepare` made, else copied."""
-        if not any(source is copy for copy in self.launch_copies):
-            rows = self._host_copy(rows)
-        self.copies.append(rows)
-        self.piled_rows += len(rows)
-        self.bytes += rows.numel() * rows.element_size()
-
-    def _round_piled(self) -> None:
-        self.rounds += 1
-        self.launch_copies = []
-        if self.rounds >= self.BACKSTOP * self.FLUSH_ROUNDS or self.bytes >= self.BACKSTOP * self.FLUSH_BYTES:
-            self.flush()
+    def keep_recent(self, generations: list["Generation"]) -> None:
+        """After a commit: each of these generations that keeps features has its last rows as `recent` where they
+        are in this forward's copies, and none otherwise (its rows are then all in the pool)."""
+        for generation in generations:
+            features = generation.features
+            last = features.last
+            if last is not None and any(last.source is copy for copy in self.copies):
+                features.recent, features.recent_start = last, generation.cache.length - len(last)
+            else:
+                features.recent = None
 
     def _host_copy(self, rows: torch.Tensor) -> torch.Tensor:
         """A copy of rows that outlives their source's next overwrite, on the host: from a GPU into page-locked
@@ -301,105 +239,46 @@ class FeatureBacklog:
         self.copied.record()
         return host
 
-    def flush(self) -> None:
-        """Everything piled so far onto each request's `chunks`, readable when this returns: one chunk per request,
-        its rows of every round grouped first (not a view per request and round), once the copies to the host have
-        ended."""
-        if not self.kept:
-            return
-        if self.copied is not None:  # (normally long done: queued behind a forward whose picks were waited for)
+    def wait(self) -> None:
+        """Until the copies have reached the host (normally long done: queued behind a forward whose picks were
+        waited for)."""
+        if self.copied is not None:
             self.copied.synchronize()
             self.copied = None
-        if self._plain_rounds_alike():  # each request's rows of every round, in one copy for all of them
-            requests, handed = self.kept[0].requests, torch.stack(self.copies, dim=1).unbind(0)
-        else:
-            requests, totals, grouped = self._grouped()
-            handed = grouped.split_with_sizes(totals)
-        for features, chunk in zip(requests, handed):
-            chunks = features.chunks
-            owned = next((i for i in range(len(chunks), 0, -1) if chunks[i - 1]._base is None), 0)
-            if len(chunks) - owned >= self.JOIN_CHUNKS:  # earlier transfers' views: finished, joined
-                chunks[owned:] = [torch.cat(chunks[owned:])]
-            chunks.append(chunk)
-        self.copies, self.kept = [], []
-        self.piled_rows = self.rounds = self.bytes = 0
-
-    def _plain_rounds_alike(self) -> bool:
-        """Whether every piled round is a plain round of the same requests in the same order (each its own copy)."""
-        first = self.kept[0]
-        return (type(first) is PlainRound and len(self.copies) == len(self.kept)
-                and all(type(entry) is PlainRound and entry.requests == first.requests for entry in self.kept))
-
-    def _grouped(self) -> tuple[list[TargetFeatures], list[int], torch.Tensor]:
-        """The requests in `kept`, their row counts, and their rows one request after another (each request's in
-        round order)."""
-        kept = [pair for entry in self.kept for pair in (entry.pairs() if type(entry) is PlainRound else (entry,))]
-        if len(kept) == 1 and is_run(kept[0][1]):  # one request's rows of one round, as a lone request's
-            features, index = kept[0]
-            return [features], [len(index)], self.copies[0][index.start:index.stop]
-        ordinal: dict[int, int] = {}  # id(features) -> their place among this transfer's requests
-        requests, owners, indexes = [], [], []
-        for features, index in kept:
-            if id(features) not in ordinal:
-                ordinal[id(features)] = len(requests)
-                requests.append(features)
-            owners.append(ordinal[id(features)])
-            indexes.append(index)
-        piled = self.copies[0] if len(self.copies) == 1 else torch.cat(self.copies)
-        if len(requests) == len(indexes) and sum(map(len, indexes)) <= self.LISTED_ROWS:
-            # Each request's rows of one round (drafting rounds flush every round), a few: already in order, and
-            # Python lists of them cost less than the NumPy calls that group many rounds' rows.
-            order = [row for index in indexes for row in index]
-            start = order[0] if order else 0
-            if order and order == list(range(start, start + len(order))):
-                grouped = piled[start:start + len(order)]
-            else:
-                grouped = select_rows(piled, np.array(order, dtype=np.int64))
-            return requests, [len(index) for index in indexes], grouped
-        owners = np.asarray(owners)
-        counts = np.fromiter(map(len, indexes), dtype=np.int64, count=len(indexes))
-        # Each request's rows in round order, one request after another.
-        by_owner = np.argsort(owners, kind="stable")
-        if all(is_run(index) for index in indexes):  # without a NumPy call per round and request
-            starts = np.fromiter((index.start for index in indexes), dtype=np.int64, count=len(indexes))
-            order = run_index(starts[by_owner], counts[by_owner])
-        else:
-            order = np.concatenate([np.asarray(indexes[i], dtype=np.int64) for i in by_owner])
-        if len(order) and (np.diff(order) == 1).all():
-            grouped = piled[order[0]:order[-1] + 1]  # already in order (one request, or each once): no gather
-        else:
-            grouped = select_rows(piled, order)
-        totals = np.bincount(owners, weights=counts, minlength=len(requests)).astype(np.int64).tolist()
-        return requests, totals, grouped
 
 
-class PlainRound:
-    """A plain round's kept rows in a FeatureBacklog: request i's root is row `first + i` of the piled copies."""
+def kept_feature_rows(generations: list["Generation"], starts: list[int]) -> list[list[torch.Tensor]]:
+    """Each generation's kept feature rows (it `keep`s them) from row `start` on, up to its KV cache's length (row
+    i: the i-th token of its prompt and output), as parts one after another: those of its last forward from the
+    host copy where it has one (`TargetFeatures.recent`, after FeatureCopies.wait), the others gathered from the
+    pool; each in one gather for all of the generations (and from the pool one copy to the host).
 
-    __slots__ = ("requests", "first")
-
-    def __init__(self, requests: list[TargetFeatures], first: int):
-        self.requests, self.first = requests, first
-
-    def pairs(self) -> list[tuple[TargetFeatures, range]]:
-        """As the backlog's other entries: (a request's features, its row)."""
-        return [(features, range(self.first + i, self.first + i + 1)) for i, features in enumerate(self.requests)]
-
-
-_ONE_ROW = [range(i, i + 1) for i in range(256)]  # row i alone, for every i up to the largest batch seen
-
-
-def _one_row_each(parts: list[Rows | None]) -> torch.Tensor | None:
-    """Where part i is row i of one output, for every i (a plain round's: each request's root, in plan order),
-    those rows of it; else None. Compared as lists, without a Python step per part."""
-    if not parts or None in parts:
-        return None
-    source, count = parts[0].source, len(parts)
-    while len(_ONE_ROW) < count:
-        _ONE_ROW.append(range(len(_ONE_ROW), len(_ONE_ROW) + 1))
-    if [rows.index for rows in parts] != _ONE_ROW[:count] or not all(rows.source is source for rows in parts):
-        return None
-    return source[:count]
+    Rows from before a request's last forward lie at their final slots: a tree's accepted rows are moved down
+    before the next forward is launched. Those of its last forward do too unless that forward verified a drafted
+    tree, and then they come from the copy."""
+    if not generations:
+        return []
+    pool = generations[0].cache.cache
+    pooled, slots, copied = [], [], []
+    for generation, start in zip(generations, starts):
+        features, end = generation.features, generation.cache.length
+        recent = features.recent
+        pool_end = end if recent is None else max(start, features.recent_start)
+        pooled.append(max(0, pool_end - start))
+        if pooled[-1]:
+            slots.append(generation.cache.slot_array(start, pooled[-1]))
+        copied.append(recent[max(0, start - features.recent_start):] if recent is not None else None)
+    from_pool = pool.feature_rows(np.concatenate(slots)).split(pooled) if slots else [None] * len(generations)
+    present = [rows for rows in copied if rows is not None and len(rows)]
+    joined = iter(gather(present).split([len(rows) for rows in present]) if present else ())
+    empty = pool.features.new_empty(0, pool.features.shape[1], device="cpu")
+    found = []
+    for pool_rows, host_rows in zip(from_pool, copied):
+        parts = [pool_rows] if pool_rows is not None and len(pool_rows) else []
+        if host_rows is not None and len(host_rows):
+            parts.append(next(joined))
+        found.append(parts or [empty])
+    return found
 
 
 def _row_span(index: range | list[int]) -> tuple[int, int]:
@@ -426,13 +305,13 @@ def _shifted(index: range | list[int], by: int) -> range | list[int]:
 
 
 def commit_round(generations: list["Generation"], plans: list[ForwardPlan], logits: list[Rows],
-                 features: list[Rows | None], backlog: FeatureBacklog | None = None,
+                 features: list[Rows | None], copies: FeatureCopies | None = None,
                  choices: list[list[int]] | None = None, hold_moves: bool = False) -> list[list[int]]:
     """Each generation's choices from its logits (or `choices`, picked already: HostPicks), moved to the host in
-    one transfer (the round's one wait on the device), then committed. The kept features of those that keep them
-    go to `backlog` (by default one flushed at once: on the host when this returns). The accepted paths' KV move
-    is launched before this returns, or with `hold_moves` left for PagedKVCache.launch_held_moves. Returns each
-    generation's committed tokens."""
+    one transfer (the round's one wait on the device), then committed. Those that keep features learn which of
+    their rows `copies` holds on the host (FeatureCopies.prepare made them; none without it). The accepted paths'
+    KV move is launched before this returns, or with `hold_moves` left for PagedKVCache.launch_held_moves. Returns
+    each generation's committed tokens."""
     if not generations:
         return []
     if choices is None:
@@ -442,12 +321,9 @@ def commit_round(generations: list["Generation"], plans: list[ForwardPlan], logi
     with pool.moves_together(hold_moves) if pool is not None else contextlib.nullcontext():  # the accepted paths' KV
         for generation, plan, plan_features, chosen in zip(generations, plans, features, choices):
             committed.append(generation.apply(plan, chosen, plan_features))
-    keeping = [generation.features for generation in generations if generation.features.keep]
+    keeping = [generation for generation in generations if generation.features.keep and not generation.finished]
     if keeping:
-        into = backlog if backlog is not None else FeatureBacklog()
-        into.add(keeping)
-        if backlog is None:
-            into.flush()
+        (copies or FeatureCopies()).keep_recent(keeping)
     return committed
 
 
@@ -568,8 +444,8 @@ class Generation:
 
     `feature_layer_ids` (the local drafter's, or a remote drafter's for a server) makes each apply keep the
     target's hidden states for the tokens it moved into the KV cache (`features.last`). Given feature layers
-    without a local drafter (a server's request, drafted remotely), it keeps them all (`features.keep`), to
-    resend a drafter that lost its context.
+    without a local drafter (a server's request, drafted remotely), it keeps them all (`features.keep`) in the
+    verifier's pool, which must keep them (TreeVerifier.keep_features).
 
     With `verifier`, the request's KV lives in blocks of the verifier's paged pool, taken as it grows and
     returned when it finishes (or on `release()`, for a request dropped before the end), and its trees are
@@ -601,6 +477,9 @@ class Generation:
             raise TreeserveError(f"the drafter asks for target layer {bad_layers[0]}, but the target has "
                                  f"{cfg.num_layers} layers")
         self.features = TargetFeatures(layer_ids, keep=drafter is None and bool(layer_ids))
+        if self.features.keep and (verifier is None or verifier.pool.features is None):
+            raise TreeserveError(f"a request drafted in another process needs its features of target layers "
+                                 f"{list(layer_ids)} kept in the verifier's pool (TreeVerifier.keep_features)")
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.seed = params.seed if params.seed is not None else random_seed()

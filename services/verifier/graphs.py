@@ -80,10 +80,13 @@ class TreeVerifier:
         return logits, features
 
     def keep_features(self, feature_layer_ids: tuple[int, ...]) -> None:
-        """Keep every token's features of these layers in the pool, at its slot (PagedKVCache.keep_features); call
-        before capturing, so that the graphs write them."""
+        """Keep every token's features of these layers in the pool, at its slot (PagedKVCache.keep_features), where
+        a drafter in another process reads them (`kept_feature_rows`); before capturing, so that the graphs write
+        them (`verify` recaptures graphs captured without). Raises torch.OutOfMemoryError where they do not fit."""
         if feature_layer_ids:
             self.pool.keep_features(len(feature_layer_ids) * self.model.config.hidden_size, self.pool.data.dtype)
+            if self.pool.data.is_cuda:
+                self.pool.warm_up_moves()
 
     def capture(self, feature_layer_ids: tuple[int, ...] = ()) -> None:
         if self.mirror is not None:  # every rank captures: the graphs hold their collectives
@@ -205,7 +208,8 @@ class TreeVerifier:
     def prefill(self, attention: PagedAttention, tokens: torch.Tensor, positions: torch.Tensor,
                 logits_rows: torch.Tensor, feature_layer_ids: tuple[int, ...] = ()):
         """One eager forward of packed prompt rows (`PagedAttention.for_prompts`, over this pool; tokens,
-        positions and logits_rows on the host); returns the model's logits of `logits_rows` and hidden states."""
+        positions and logits_rows on the host); returns the model's logits of `logits_rows` and its rows' features
+        (their hidden states after `feature_layer_ids`, concatenated per row), or None without feature layers."""
         if self.mirror is not None:
             self.mirror.send("prefill", inputs=attention.inputs_cpu, packed_rows=attention.packed_rows_cpu,
                              tokens=tokens, positions=positions, logits_rows=logits_rows,
@@ -213,9 +217,10 @@ class TreeVerifier:
         device = self.pool.data.device
         logits, hidden = self.model(tokens.to(device, non_blocking=True), positions.to(device, non_blocking=True),
                                     attention, logits_rows=logits_rows.to(device), hidden_layer_ids=feature_layer_ids)
-        if hidden and self.pool.features is not None:
-            self.pool.write_features(attention.inputs.slots, torch.cat(hidden, dim=-1))
-        return logits, hidden
+        features = torch.cat(hidden, dim=-1) if hidden else None
+        if features is not None and self.pool.features is not None:
+            self.pool.write_features(attention.inputs.slots, features)
+        return logits, features
 
 
 # KV pool of a CPU verifier (GPU pools are sized from free memory): enough for several long requests, small
@@ -242,12 +247,14 @@ def activation_peak(model: DecoderLM, batch: int, rows: int, logits_rows: torch.
 
 
 def build_verifier(model: DecoderLM, max_batch: int, graphs: bool = False, kv_cache_tokens: int = 0,
-                   block_size: int = 16, memory_fraction: float = 0.9, max_tree: int = MAX_BUDGET + 1
-                   ) -> TreeVerifier:
+                   block_size: int = 16, memory_fraction: float = 0.9, max_tree: int = MAX_BUDGET + 1,
+                   feature_layer_ids: tuple[int, ...] = ()) -> TreeVerifier:
     """The verifier's paged pool and tree verifier (with `graphs`, from `graphs_wanted`, not captured yet:
     `capture` once the feature layers are known). `kv_cache_tokens` 0 sizes the pool: on a GPU,
     `memory_fraction` of the memory left free after room for the largest verification (the graphs' memory pool)
-    and the longest prefill; on the CPU, CPU_KV_CACHE_TOKENS."""
+    and the longest prefill; on the CPU, CPU_KV_CACHE_TOKENS. A GPU pool leaves room for each slot's features of
+    `feature_layer_ids` (the drafters' known at start), which `TreeVerifier.keep_features` then keeps (rank 0
+    only, under tensor parallelism: the features come from there)."""
     cfg = model.config
     if kv_cache_tokens > 0:
         num_blocks = -(-kv_cache_tokens // block_size)
@@ -256,8 +263,8 @@ def build_verifier(model: DecoderLM, max_batch: int, graphs: bool = False, kv_ca
         prefill_peak = activation_peak(model, 1, cfg.max_context, torch.tensor([0], device=model.device))
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(model.device)
-        num_blocks = PagedKVCache.blocks_that_fit(cfg, block_size, model.dtype,
-                                                  free - verify_peak - prefill_peak, memory_fraction)
+        num_blocks = PagedKVCache.blocks_that_fit(cfg, block_size, model.dtype, free - verify_peak - prefill_peak,
+                                                  memory_fraction, len(feature_layer_ids) * cfg.hidden_size)
         log.info("activations: %.2f GiB for the largest verification, %.2f GiB for the longest prefill; "
                  "%.2f GiB free", verify_peak / 2**30, prefill_peak / 2**30, free / 2**30)
     else:

@@ -25,7 +25,7 @@ from treeserve.models import DecoderLM
 from treeserve.tree import DraftTree
 from treeserve.v1 import generation_pb2, verifier_pb2
 from treeserve.verifier.drafter_link import DraftRound, DrafterLink
-from treeserve.verifier.engine import (FeatureBacklog, ForwardPlan, Generation, HostPicks, commit_round, forward_batch,
+from treeserve.verifier.engine import (FeatureCopies, ForwardPlan, Generation, HostPicks, commit_round, forward_batch,
                                        pick_round)
 from treeserve.verifier.graphs import TreeVerifier
 from treeserve.wire import FINISH_REASONS
@@ -189,7 +189,7 @@ class TargetRunner:
     def __init__(self, model: DecoderLM, verifier: TreeVerifier, compute: ThreadPoolExecutor):
         self.model, self.verifier, self.compute = model, verifier, compute
         self.feature_layer_ids: tuple[int, ...] = ()
-        self.feature_backlog = FeatureBacklog()  # kept features on their way to the host, flushed before drafts
+        self.feature_copies = FeatureCopies()  # drafted trees' kept features on their way to the host
         self.in_flight = False
         self.release_after: list[Generation] = []
 
@@ -213,7 +213,7 @@ class TargetRunner:
         self.in_flight = True
         try:
             self.verifier.pool.launch_held_moves()  # (the last commit's, if the loop has not launched them yet)
-            args = (self.model, plans, self.feature_layer_ids, self.verifier, generations, self.feature_backlog)
+            args = (self.model, plans, self.feature_layer_ids, self.verifier, generations, self.feature_copies)
             if self.verifier.pool.data.device.type != "cuda" or self.verifier.mirror is not None:
                 return await asyncio.get_running_loop().run_in_executor(self.compute, forward_and_picks, *args)
             logits, features, picks = launch_forward_and_picks(*args)
@@ -232,13 +232,13 @@ class TargetRunner:
 
 def launch_forward_and_picks(model: DecoderLM, plans: list[ForwardPlan], feature_layer_ids: tuple[int, ...],
                              verifier: TreeVerifier, generations: list[Generation],
-                             backlog: FeatureBacklog | None = None) -> tuple[list, list, HostPicks]:
-    """forward_batch, then the round's picks and their copy to the host queued behind it, then what `backlog`
-    prepares of the kept features (FeatureBacklog.prepare), waiting for none."""
+                             copies: FeatureCopies | None = None) -> tuple[list, list, HostPicks]:
+    """forward_batch, then the round's picks and their copy to the host queued behind it, then the copies of the
+    drafted trees' kept features (FeatureCopies.prepare), waiting for none."""
     logits, features = forward_batch(model, plans, feature_layer_ids, verifier)
     picks = HostPicks(pick_round(generations, plans, logits))
-    if backlog is not None:
-        features = backlog.prepare(features, [generation.features.keep for generation in generations])
+    if copies is not None:
+        features = copies.prepare(features, plans, [generation.features.keep for generation in generations])
     return logits, features, picks
 
 
@@ -274,7 +274,7 @@ async def speculative_round(running: dict[str, Running], speculation: Speculatio
     budgets, choice = speculation.round_budgets(
         {request_id: entry.generation.budget for request_id, entry in asking.items()}, batch,
         bool(asking) and all(entry.link.lookup_trees for entry in asking.values()))
-    drafts = await draft(asking, budgets, trace_contexts, runner.feature_backlog, choice is not None and choice.lookup)
+    drafts = await draft(asking, budgets, trace_contexts, runner.feature_copies, choice is not None and choice.lookup)
     trees = {request_id: tree for found in drafts for request_id, tree in found.trees.items()}
     drafted = time.perf_counter()
     report = RoundReport(batch, choice, budgets, drafts, draft_s=drafted - started)
@@ -293,7 +293,7 @@ async def speculative_round(running: dict[str, Running], speculation: Speculatio
     generations = [running[request_id].generation for request_id in alive]
     committed = commit_round(generations, [plans[request_id] for request_id in alive],
                              [logits[i] for i in alive.values()], [features[i] for i in alive.values()],
-                             runner.feature_backlog, [choices[i] for i in alive.values()], hold_moves=True)
+                             runner.feature_copies, [choices[i] for i in alive.values()], hold_moves=True)
     # The accepted paths' KV move is launched when the loop next runs its ready tasks: after the next round's Draft
     # messages are written, while the drafters draft (a reservation or forward before then launches it first).
     asyncio.get_running_loop().call_soon(runner.verifier.pool.launch_held_moves)
@@ -314,13 +314,13 @@ async def speculative_round(running: dict[str, Running], speculation: Speculatio
 
 
 async def draft(asking: dict[str, Running], budgets: dict[str, int], trace_contexts: dict[str, dict[str, str]],
-                backlog: FeatureBacklog, lookup_only: bool = False) -> list[DraftRound]:
+                copies: FeatureCopies, lookup_only: bool = False) -> list[DraftRound]:
     """The trees of the requests given budgets (prompt lookup's alone with `lookup_only`), one batched round trip
-    per drafter; for their own trees, the drafters first get every feature row up to now."""
+    per drafter; for their own trees, the drafters first get every feature row up to now (kept_feature_rows)."""
     if not budgets:
         return []
     if not lookup_only:  # lookup's trees alone need no features
-        backlog.flush()
+        copies.wait()
     by_link: dict[DrafterLink, dict[str, Generation]] = {}
     for request_id in budgets:
         entry = asking[request_id]

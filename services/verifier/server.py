@@ -86,6 +86,14 @@ class Scheduler:
         if not await link.connect():
             return False
         if link.feature_layer_ids and not self.feature_layer_ids:
+            try:  # (room for them was left at start-up for the drafters up then: build_verifier)
+                self.verifier.keep_features(link.feature_layer_ids)
+            except torch.OutOfMemoryError:
+                log.error("drafter %s wants features of target layers %s, and the KV pool has no room left to keep "
+                          "them: not using it (start the drafters before the verifier, or lower --kv-cache-tokens)",
+                          link.address, list(link.feature_layer_ids))
+                await link.disable()
+                return False
             self.runner.feature_layer_ids = link.feature_layer_ids
         if link.feature_layer_ids and link.feature_layer_ids != self.feature_layer_ids:
             log.error("drafter %s wants features of target layers %s, the others %s: not using it", link.address,

@@ -113,9 +113,20 @@ class PagedKVCache:
         return self.data.shape[2] * self.block_size
 
     def keep_features(self, width: int, dtype: torch.dtype) -> None:
-        """Keep `width` feature values per slot from now on (those of earlier forwards are not kept)."""
+        """Keep `width` feature values per slot from now on (those of earlier forwards are not kept). Raises
+        torch.OutOfMemoryError where the device has no room for them (build_verifier leaves room for the features
+        it is told of)."""
         if self.features is None or self.features.shape[1] != width or self.features.dtype != dtype:
+            self.features = None  # (the old rows' memory back first)
             self.features = torch.zeros(self.num_slots + 1, width, dtype=dtype, device=self.data.device)
+
+    def feature_rows(self, slots: np.ndarray) -> torch.Tensor:
+        """The feature rows at these slots, on the host: one gather and one copy for any number of requests. The
+        slots' forwards and moves must have been launched (a held move: `launch_held_moves` first)."""
+        index = torch.from_numpy(slots)
+        if not self.features.is_cuda:
+            return self.features.index_select(0, index)
+        return self.features.index_select(0, index.to(self.features.device, non_blocking=True)).cpu()
 
     def write_features(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """A forward's feature rows at its rows' slots (on the pool's device; slot -1: a padding row, which writes
@@ -211,10 +222,11 @@ class PagedKVCache:
 
     @staticmethod
     def blocks_that_fit(cfg: ModelConfig, block_size: int, dtype: torch.dtype, free_bytes: int,
-                        fraction: float = 0.9) -> int:
-        """How many blocks `fraction` of `free_bytes` holds (measure free memory after warm-up, then size)."""
-        per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-        return int(free_bytes * fraction) // per_block
+                        fraction: float = 0.9, feature_width: int = 0) -> int:
+        """How many blocks `fraction` of `free_bytes` holds (measure free memory after warm-up, then size), with
+        `feature_width` feature values per slot beside the keys and values (keep_features)."""
+        per_slot = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim + feature_width) * dtype.itemsize
+        return int(free_bytes * fraction) // (per_slot * block_size)
 
     def blocks_for(self, tokens: int) -> int:
         """Blocks that hold this many tokens."""
