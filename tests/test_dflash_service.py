@@ -552,3 +552,29 @@ def test_rows_read_in_place_from_the_region_or_kept_for_later_are_the_ones_sent(
     in_messages = serve(None)
     torch.testing.assert_close(through_region[0], in_messages[0], rtol=0, atol=0)
     assert through_region[1] == in_messages[1]
+
+
+def test_a_drafter_whose_features_the_pool_has_no_room_for_is_not_used(tmp_path, target, monkeypatch):
+    """A DFlash drafter that connects once the KV pool has taken the device's memory, with no room left to keep its
+    features there: the verifier says why and drafts without it (its requests decode plainly, the target's own
+    output), rather than fail a request later."""
+    from treeserve.verifier.graphs import TreeVerifier
+
+    def no_room(verifier, feature_layer_ids):
+        raise torch.OutOfMemoryError("CUDA out of memory (as on a GPU whose KV pool took the rest)")
+    monkeypatch.setattr(TreeVerifier, "keep_features", no_room)
+
+    async def main():
+        drafter_service = await start_drafter(tmp_path, random_dflash_drafter(target.model, "ddtree"))
+        link = DrafterLink(drafter_service.address, timeout_s=5.0)
+        verifier, scheduler, task = await start_verifier(tmp_path, target, link)
+        assert not link.up and scheduler.feature_layer_ids == ()
+        assert not await scheduler.connect(link)  # disabled for good: not retried
+        async with grpc.aio.insecure_channel(verifier.address) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            outputs = await asyncio.gather(*(collect(stub, request(p)) for p in PROMPTS))
+        await stop_all(task, verifier, link, drafter_service)
+        return outputs
+
+    for prompt, output in zip(PROMPTS, asyncio.run(main())):
+        assert output == expected(target, prompt)
