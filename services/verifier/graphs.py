@@ -74,10 +74,15 @@ class TreeVerifier:
     def _forward(self, rows: TreeRows):
         attention = PagedAttention(self.pool, rows.paged, kernels=self.kernels)
         logits, hidden = self.model(rows.tokens, rows.positions, attention, hidden_layer_ids=self.feature_layer_ids)
+        return logits, self._features_kept(hidden, rows.paged.slots)
+
+    def _features_kept(self, hidden: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor | None:
+        """A forward's features (its hidden states at the feature layers, concatenated per row), written at the
+        rows' slots where the pool keeps them; None without feature layers."""
         features = torch.cat(hidden, dim=-1) if hidden else None
         if features is not None and self.pool.features is not None:
-            self.pool.write_features(rows.paged.slots, features)
-        return logits, features
+            self.pool.write_features(slots, features)
+        return features
 
     def keep_features(self, feature_layer_ids: tuple[int, ...]) -> None:
         """Keep every token's features of these layers in the pool, at its slot (PagedKVCache.keep_features), where
@@ -85,8 +90,7 @@ class TreeVerifier:
         them (`verify` recaptures graphs captured without). Raises torch.OutOfMemoryError where they do not fit."""
         if feature_layer_ids:
             self.pool.keep_features(len(feature_layer_ids) * self.model.config.hidden_size, self.pool.data.dtype)
-            if self.pool.data.is_cuda:
-                self.pool.warm_up_moves()
+            self.pool.warm_up_moves()
 
     def capture(self, feature_layer_ids: tuple[int, ...] = ()) -> None:
         if self.mirror is not None:  # every rank captures: the graphs hold their collectives
@@ -217,10 +221,7 @@ class TreeVerifier:
         device = self.pool.data.device
         logits, hidden = self.model(tokens.to(device, non_blocking=True), positions.to(device, non_blocking=True),
                                     attention, logits_rows=logits_rows.to(device), hidden_layer_ids=feature_layer_ids)
-        features = torch.cat(hidden, dim=-1) if hidden else None
-        if features is not None and self.pool.features is not None:
-            self.pool.write_features(attention.inputs.slots, features)
-        return logits, features
+        return logits, self._features_kept(hidden, attention.inputs.slots)
 
 
 # KV pool of a CPU verifier (GPU pools are sized from free memory): enough for several long requests, small

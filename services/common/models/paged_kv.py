@@ -126,7 +126,7 @@ class PagedKVCache:
         index = torch.from_numpy(slots)
         if not self.features.is_cuda:
             return self.features.index_select(0, index)
-        return self.features.index_select(0, index.to(self.features.device, non_blocking=True)).cpu()
+        return self.features.index_select(0, index.to(self.features.device)).cpu()
 
     def write_features(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """A forward's feature rows at its rows' slots (on the pool's device; slot -1: a padding row, which writes
