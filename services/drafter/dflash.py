@@ -565,10 +565,19 @@ class DFlashDrafter:
         if lacking:
             raise TreeserveError(f"dflash: a context lacks the feature rows of {lacking} tokens")
         trees, step = [], self.runner.max_batch
+        timed = log.isEnabledFor(logging.DEBUG)
         for start in range(0, len(contexts), step):
             chunk, chunk_budgets = contexts[start:start + step], list(budgets[start:start + step])
+            if timed:
+                started, rows = time.perf_counter(), sum(context.unwritten_rows for context in chunk)
             log_probs = self._run_block(chunk, chunk_budgets)
+            if timed:
+                launched = time.perf_counter()
             packed = self._trees(log_probs, self.width_for(max(chunk_budgets)))[:len(chunk)].tolist()
+            if timed:
+                log.debug("dflash: %d contexts, %d new context rows: block forward launched in %.3f ms, trees "
+                          "read back %.3f ms later", len(chunk), rows, (launched - started) * 1e3,
+                          (time.perf_counter() - launched) * 1e3)
             # (reading the trees back waited for the device: every copy in before them has been made)
             self.inputs.settled()
             self.runner.staging_copies.settled()

@@ -522,6 +522,11 @@ class AdaptiveSpeculation:
         trees drafted beside what the choice expected. Returns (batch bucket, realized over expected drafted
         tokens) when that was checked on the drafter's own trees."""
         model = self.lookup_acceptance if report.lookup else self.acceptance
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("adaptive: round of batch %d, choice %s: %d tokens in %.3f ms, of them drafters %.3f ms%s",
+                      report.batch, report.choice.label if report.choice else "-", report.tokens,
+                      report.seconds * 1e3, report.drafters_s * 1e3,
+                      " (catch-up)" if any(found.catch_up for found in report.drafts) else "")
         for request in report.requests if report.drafted else ():  # (a plain round's observe nothing)
             model.observe(request.request_id, request.tree_nodes, request.committed)
             if request.lookup_accepted is not None:  # an own tree's lookup chain, of at most half its budget
@@ -625,10 +630,14 @@ class AdaptiveSpeculation:
                        for key in rates if key[1] > 0 and not key[0])
             self.give_up.note(batch, None if pays else seconds[plain] * (1 + reused))
         if log.isEnabledFor(logging.DEBUG):
+            bucket = batch_bucket(batch)
             log.debug("adaptive: batch %d, %d drafting, all-request slope %.3f; by (lookup, budget): expected "
-                      "tokens/s, tokens, ms %s", batch, len(asked), self.acceptance.overall_slope(),
+                      "tokens/s, tokens, ms %s; of them the verification's, ms %s", batch, len(asked),
+                      self.acceptance.overall_slope(),
                       {key: (round(rates[key], 1), round(batch + gained[key], 2), round(seconds[key] * 1e3, 3))
-                       for key in rates})
+                       for key in rates},
+                      {step: round(self.costs._verify_estimate(bucket, tree_bucket(step + 1)) * 1e3, 3)
+                       for step in steps})
         chosen = self._explore(best, rates, seconds, batch, first_try)
         if chosen[1] == 0:
             self.plain_signature, self.plain_round_s = signature, seconds[plain]
