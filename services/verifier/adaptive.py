@@ -522,13 +522,6 @@ class AdaptiveSpeculation:
         trees drafted beside what the choice expected. Returns (batch bucket, realized over expected drafted
         tokens) when that was checked on the drafter's own trees."""
         model = self.lookup_acceptance if report.lookup else self.acceptance
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("adaptive: round of batch %d, choice %s: %d tokens in %.3f ms, of them drafters %.3f ms%s; "
-                      "choice and messages %.3f, plan %.3f, forward and commit %.3f, emit %.3f ms", report.batch,
-                      report.choice.label if report.choice else "-", report.tokens, report.seconds * 1e3,
-                      report.drafters_s * 1e3, " (catch-up)" if any(found.catch_up for found in report.drafts) else "",
-                      (report.draft_s - report.drafters_s) * 1e3, report.plan_s * 1e3, report.verify_s * 1e3,
-                      report.emit_s * 1e3)
         for request in report.requests if report.drafted else ():  # (a plain round's observe nothing)
             model.observe(request.request_id, request.tree_nodes, request.committed)
             if request.lookup_accepted is not None:  # an own tree's lookup chain, of at most half its budget
