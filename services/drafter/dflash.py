@@ -58,6 +58,7 @@ NARROWEST_TREE_WIDTH = 16  # below it a search costs about the same: its kernels
 # write graph: an eager write of a few dozen rows costs more, in launches, than a replay writing thousands.
 STAGED_BLOCKS = 2
 SMALLEST_WRITE_ROWS = 16  # below it a context write costs about the same: it is launch-bound
+LARGEST_WRITE_ROWS_AT_LEAST = 1024  # so that a small --max-batch still takes a long prompt in a few pieces
 
 log = logging.getLogger("treeserve.drafter")
 
@@ -291,8 +292,8 @@ class RoundInputs:
 
     The long inputs and then the feature rows lie in one buffer, so that a round copies what it uses in one copy.
     Refilling the host buffer waits for the device only where the drafter has not waited for it since (`settled`):
-    a round of trees always has, as it reads them back, so only a round's second piece of rows (prompts beyond the
-    inputs' rows) waits."""
+    a round of trees has, as it reads them back; a round's second piece of rows (prompts beyond the inputs' rows),
+    or the first after a block forward whose trees were not read, waits."""
 
     def __init__(self, max_batch: int, rows: int, feature_size: int, dtype: torch.dtype, device: torch.device):
         self.on_gpu = device.type == "cuda"
@@ -317,17 +318,18 @@ class RoundInputs:
         """The device has done all the work queued so far: the caller waited for it."""
         self.unsettled = False
 
-    def stage(self, budgets: list[int], parts: list[tuple[np.ndarray, np.ndarray, torch.Tensor]]) -> int:
-        """This round's budgets and context rows (parts of (slots, positions, features) in turn), copied in;
-        returns the rows."""
+    def stage(self, budgets: list[int] | None, parts: list[tuple[np.ndarray, np.ndarray, torch.Tensor]]) -> int:
+        """This round's budgets (None: those staged last, kept) and context rows (parts of (slots, positions,
+        features) in turn), copied in; returns the rows."""
         if self.unsettled:  # (not in rounds of trees: see the class)
             torch.cuda.current_stream().synchronize()
         budgets_np, slots_np, positions_np = self.host_budgets, self.host_slots, self.host_positions
         rows = sum(len(slots) for slots, _, _ in parts)
-        if len(budgets) > len(budgets_np) or rows > len(slots_np):
+        if len(budgets or ()) > len(budgets_np) or rows > len(slots_np):
             raise TreeserveError(f"dflash: {len(budgets)} budgets and {rows} context rows do not fit the round's "
                                  f"inputs ({len(budgets_np)} and {len(slots_np)})")
-        budgets_np[:len(budgets)], budgets_np[len(budgets):] = budgets, 0
+        if budgets is not None:
+            budgets_np[:len(budgets)], budgets_np[len(budgets):] = budgets, 0
         if parts:
             slots_np[:rows] = np.concatenate([slots for slots, _, _ in parts])
             positions_np[:rows] = np.concatenate([positions for _, positions, _ in parts])
@@ -396,8 +398,8 @@ class DFlashDrafter:
         self.block_mask = np.ones((cfg.block_size, cfg.block_size), dtype=np.int8)  # a block sees all of itself
         self.runner = PagedRunner(self.pool, self._block_forward, max_batch, [cfg.block_size],
                                   max_context or cfg.layers.max_context, graphs)
-        self.inputs = RoundInputs(max_batch, max_batch * STAGED_BLOCKS * cfg.block_size, cfg.feature_size,
-                                  model.dtype, device)
+        self.inputs = RoundInputs(max_batch, max(max_batch * STAGED_BLOCKS * cfg.block_size,
+                                                 LARGEST_WRITE_ROWS_AT_LEAST), cfg.feature_size, model.dtype, device)
         self.write_buckets = buckets_up_to(self.inputs.max_rows, tuple(
             rows for rows in powers_of_two_up_to(self.inputs.max_rows) if rows >= SMALLEST_WRITE_ROWS))
         self.unwritten: dict[int, DFlashRequest] = {}  # id -> a context with rows not written yet
@@ -497,10 +499,10 @@ class DFlashDrafter:
             sequence.commit(rows)
             self.unwritten[id(context)] = context
 
-    def write_context(self, contexts: list[DFlashRequest] | None = None, budgets: list[int] = ()) -> None:
+    def write_context(self, contexts: list[DFlashRequest] | None = None, budgets: list[int] | None = None) -> None:
         """Write the unwritten context rows of `contexts` (default: every context's) now, staging `budgets` (a
-        round's, for its search) with them: in pieces of the inputs' rows, each replayed from the graph of the
-        smallest bucket that holds it, or eagerly where graphs are not captured."""
+        round's, for its search; None keeps those staged) with them: in pieces of the inputs' rows, each replayed
+        from the graph of the smallest bucket that holds it, or eagerly where graphs are not captured."""
         contexts = list(self.unwritten.values()) if contexts is None else contexts
         parts = [part for context in contexts for part in self._take_unwritten(context)]
         for piece in in_pieces(parts, self.inputs.max_rows) or [[]]:
