@@ -312,9 +312,9 @@ def test_graphs_write_each_rows_features_at_its_slot():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dflash_block_forward_from_graphs_equals_eager(dtype):
     """The DFlash drafter's context writes and block forward replayed from their graphs give eager's
-    log-probabilities and, in float32, eager's trees, for every batch bucket (padding requests included), contexts
-    of many lengths (prompts longer than the largest write) and budgets from 0 to the largest, then over rounds of
-    short and long extensions; the pool ends empty."""
+    log-probabilities and, in float32, eager's trees, for every batch bucket (padding requests included), features
+    from the host or the device, contexts of many lengths (prompts longer than the largest write) and budgets from 0
+    to the largest, then over rounds of short and long extensions; the pool ends empty."""
     from random_targets import random_dflash_drafter, target_features
     from treeserve.drafter.dflash import DFlashDrafter
 
@@ -328,13 +328,16 @@ def test_dflash_block_forward_from_graphs_equals_eager(dtype):
     rng = random.Random(2)
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     for batch in (1, 2, 3, 5, 8):
+        # The graphs' drafter takes its features from the host at even batches, as the service does (staged through
+        # page-locked memory), and from the device at odd ones, as in process.
+        moved = (lambda features: features.cpu()) if batch % 2 == 0 else (lambda features: features)
         histories = [[rng.randrange(96) for _ in range(rng.randint(2, 300))] for _ in range(batch)]
         contexts = {eager: [], graphs: []}
         for tokens in histories:
             features = target_features(target, tokens[:-1], model.config.target_layer_ids)
             for drafter in (eager, graphs):
                 contexts[drafter].append(drafter.new_context())
-                drafter.extend(contexts[drafter][-1], tokens, features)
+                drafter.extend(contexts[drafter][-1], tokens, moved(features) if drafter is graphs else features)
         want = eager.block_log_probs(contexts[eager])[1].clone()
         got = graphs.block_log_probs(contexts[graphs])[1]
         torch.testing.assert_close(got, want, atol=tolerance * want.abs().max().item(), rtol=tolerance)
@@ -351,7 +354,7 @@ def test_dflash_block_forward_from_graphs_equals_eager(dtype):
                 features = target_features(target, tokens[-1:] + new[:-1], model.config.target_layer_ids)
                 tokens.extend(new)
                 for drafter in (eager, graphs):
-                    drafter.extend(contexts[drafter][index], new, features)
+                    drafter.extend(contexts[drafter][index], new, moved(features) if drafter is graphs else features)
             want = eager.block_log_probs(contexts[eager])[1].clone()
             got = graphs.block_log_probs(contexts[graphs])[1]
             torch.testing.assert_close(got, want, atol=tolerance * want.abs().max().item(), rtol=tolerance)
