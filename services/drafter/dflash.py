@@ -326,8 +326,8 @@ class RoundInputs:
         budgets_np, slots_np, positions_np = self.host_budgets, self.host_slots, self.host_positions
         rows = sum(len(slots) for slots, _, _ in parts)
         if len(budgets or ()) > len(budgets_np) or rows > len(slots_np):
-            raise TreeserveError(f"dflash: {len(budgets)} budgets and {rows} context rows do not fit the round's "
-                                 f"inputs ({len(budgets_np)} and {len(slots_np)})")
+            raise TreeserveError(f"dflash: {len(budgets or ())} budgets and {rows} context rows do not fit the "
+                                 f"round's inputs ({len(budgets_np)} and {len(slots_np)})")
         if budgets is not None:
             budgets_np[:len(budgets)], budgets_np[len(budgets):] = budgets, 0
         if parts:
@@ -505,6 +505,8 @@ class DFlashDrafter:
         from the graph of the smallest bucket that holds it, or eagerly where graphs are not captured."""
         contexts = list(self.unwritten.values()) if contexts is None else contexts
         parts = [part for context in contexts for part in self._take_unwritten(context)]
+        if not parts and budgets is None:
+            return
         for piece in in_pieces(parts, self.inputs.max_rows) or [[]]:
             rows = self.inputs.stage(budgets, piece)
             if not rows:
