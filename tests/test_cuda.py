@@ -230,25 +230,18 @@ def test_kv_moves_of_any_count_compile_nothing_after_warm_up():
     assert compiled() == warmed, f"{compiled() - warmed} variants compiled after warm-up"
 
 
-def test_a_drafters_round_inputs_reach_the_gpu_through_page_locked_memory_as_they_were():
-    """A DFlash drafter's round inputs (budgets, and context rows in parts: slots, positions, features cast to the
-    drafter's dtype) reach the GPU in one copy from page-locked memory, equal to copying each as it is; the rows
-    after them are padding (slot -1)."""
+def test_context_rows_reach_the_gpu_through_page_locked_memory_as_they_were():
+    """A prompt's context rows, written eagerly by a DFlash drafter, reach the GPU in one copy from page-locked
+    memory (slots, positions, features in parts, cast to the drafter's dtype), equal to copying each as it is."""
     import numpy as np
 
-    from treeserve.drafter.dflash import RoundInputs
+    from treeserve.drafter.dflash import rows_to_gpu
 
+    slots, positions = np.arange(300, 340), np.arange(40) + 5
+    parts = [torch.randn(25, 24), torch.randn(15, 24)]
     for dtype in (torch.float32, torch.bfloat16):
-        inputs = RoundInputs(4, 64, 24, dtype, torch.device("cuda"))
-        assert inputs.host.is_pinned()
-        for offset in (300, 900):
-            slots, positions = np.arange(offset, offset + 40), np.arange(40) + 5
-            parts = [(slots[:25], positions[:25], torch.randn(25, 24)),
-                     (slots[25:], positions[25:], torch.randn(15, 24))]
-            assert inputs.stage([3, 1], parts) == 40
-            torch.cuda.synchronize()
-            assert inputs.budgets.tolist() == [3, 1, 0, 0]
-            assert inputs.slots[:40].tolist() == slots.tolist() and inputs.positions[:40].tolist() == positions.tolist()
-            assert (inputs.slots[40:] == -1).all()
-            want = torch.cat([features for _, _, features in parts]).to(dtype)
-            assert torch.equal(inputs.features[:40].cpu(), want)
+        got = rows_to_gpu(slots, positions, parts, dtype, torch.device("cuda"))
+        torch.cuda.synchronize()
+        assert all(tensor.is_cuda for tensor in got)
+        assert got[0].tolist() == slots.tolist() and got[1].tolist() == positions.tolist()
+        assert torch.equal(got[2].cpu(), torch.cat(parts).to(dtype))

@@ -431,46 +431,30 @@ def test_the_drafter_context_holds_the_target_features_of_every_committed_token_
     assert drafter.pool.allocator.free_count == drafter.pool.allocator.num_blocks  # every block came back
 
 
-def test_a_rounds_context_rows_are_written_in_pieces_of_the_staged_inputs(monkeypatch):
-    """A round's new context rows, any number of them (a few accepted tokens, a catch-up after plain rounds, a
-    prompt), are staged back to back over the round's contexts and written in pieces of the inputs' rows (here
-    made small: STAGED_BLOCKS blocks per request of a full batch): each context then holds what a fresh write of
-    its own rows holds, and a write outside a round keeps the budgets the round staged for its search."""
-    from treeserve.drafter import dflash
-    from treeserve.drafter.dflash import STAGED_BLOCKS, DFlashDrafter
+def test_a_round_stages_up_to_two_blocks_of_context_rows_and_writes_more_eagerly(monkeypatch):
+    """A round's new context rows (a merged tree's long accepted path) go through the block forward's staged inputs
+    up to STAGED_BLOCKS blocks a request, and are written eagerly first beyond that (a prompt): either way the
+    context holds what a fresh write of those rows holds."""
+    from treeserve.drafter.dflash import STAGED_BLOCKS
 
     target = random_target("qwen3", seed=4, vocab_size=VOCAB, weight_scale=2.0)
-    small = random_dflash_drafter(target, "ddtree")
-    assert DFlashDrafter(small.model, small.embedding, small.lm_head, "ddtree", max_batch=1).inputs.max_rows == \
-        dflash.LARGEST_WRITE_ROWS_AT_LEAST  # a long prompt in a few pieces, however small the batch
-    monkeypatch.setattr(dflash, "LARGEST_WRITE_ROWS_AT_LEAST", 0)
-    drafter = DFlashDrafter(small.model, small.embedding, small.lm_head, "ddtree", max_batch=2)
-    layer_ids = drafter.feature_layer_ids
-    cap = drafter.inputs.max_rows
-    assert cap == 2 * STAGED_BLOCKS * drafter.model.config.block_size
-    pieces, write = [], drafter._write_staged
-    monkeypatch.setattr(drafter, "_write_staged", lambda rows: (pieces.append(rows), write(rows)))
-    histories = [[(7 * i) % (VOCAB - 2) + 1 for i in range(3 * cap)], [(5 * i + 3) % (VOCAB - 2) + 1 for i in range(9)]]
-    short = target_features(target, histories[1][:4], layer_ids)
-    for rows, want in ((5, [8]), (cap - 3, [cap]), (cap - 2, [cap, 1]), (2 * cap + 5, [cap, cap, 8])):
-        contexts, pieces[:] = [drafter.new_context(), drafter.new_context()], []
-        drafter.writes.clear()
-        drafter.extend(contexts[0], histories[0][:rows + 1], target_features(target, histories[0][:rows], layer_ids))
-        drafter.extend(contexts[1], histories[1][:4], short[:3])
-        drafter.propose(contexts, [4, 4])
-        assert pieces == want, rows
-        assert drafter.writes == {None: len(want)}  # no graphs on the CPU: each piece eagerly
-        drafter.extend(contexts[1], histories[1][4:5], short[3:])
-        drafter.write_context()
-        assert drafter.inputs.budgets[:2].tolist() == [4, 4]
-        for context, ids, count in zip(contexts, histories, (rows, 4)):
-            fresh = drafter.pool.sequence()
-            drafter.model.extend_context(fresh, target_features(target, ids[:count], layer_ids))
-            flat = drafter.pool.data.flatten(2, 3)
-            torch.testing.assert_close(flat[:, :, context.sequence.slots(0, count)],
-                                       flat[:, :, fresh.slots(0, count)], atol=1e-5, rtol=1e-5)
-            fresh.release()
-            drafter.release(context)
+    drafter = random_dflash_drafter(target, "ddtree")
+    block, layer_ids = drafter.model.config.block_size, drafter.feature_layer_ids
+    eager, write = [], drafter.write_context
+    monkeypatch.setattr(drafter, "write_context", lambda contexts=None: (eager.append(len(contexts)), write(contexts)))
+    ids = [(7 * i) % (VOCAB - 2) + 1 for i in range(STAGED_BLOCKS * block + 3)]
+    for rows in (block + 2, STAGED_BLOCKS * block, STAGED_BLOCKS * block + 1):
+        context, eager[:] = drafter.new_context(), []
+        drafter.extend(context, ids[:rows + 1], target_features(target, ids[:rows], layer_ids))
+        drafter.propose([context], [4])
+        assert eager == [1 if rows > STAGED_BLOCKS * block else 0], rows
+        fresh = drafter.pool.sequence()
+        drafter.model.extend_context(fresh, target_features(target, ids[:rows], layer_ids))
+        flat = drafter.pool.data.flatten(2, 3)
+        torch.testing.assert_close(flat[:, :, context.sequence.slots(0, rows)], flat[:, :, fresh.slots(0, rows)],
+                                   atol=1e-5, rtol=1e-5)
+        fresh.release()
+        drafter.release(context)
 
 
 def test_oracle_block_distributions_give_long_accepted_paths_and_the_same_tokens(monkeypatch):

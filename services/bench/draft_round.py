@@ -1,13 +1,13 @@
 """python -m treeserve.bench.draft_round: the drafter service's host work in a round, without the device's.
 
 One process loads the target (on the CPU, for the embedding and LM head a DFlash drafter borrows) and a DFlash or
-merged drafter whose graphs are stubs: the context write's, the block forward's and the tree search's "replays"
-compute nothing (the search's hands back trees drafted beforehand, of the budgets the round staged), so what is
-timed is what the service's thread does around them. Each round goes through the service's own door for a
-framed Draft stream: a DraftRequest parsed from its bytes, its features in a feature region shared as a verifier
-shares one, the servicer's `answer` (check the items, extend the contexts, propose), the reply serialised. Each
-request starts with a prompt of --context tokens (rounds with prompts are not timed); every round then commits 1
-to 4 tokens a request along its tree, with their feature rows.
+merged drafter whose graphs are stubs: the block forward's and the tree search's "replays" compute nothing (the
+search's hands back trees drafted beforehand, of the budgets the round staged), so what is timed is what the
+service's thread does around them. Each round goes through the service's own door for a framed Draft stream: a
+DraftRequest parsed from its bytes, its features in a feature region shared as a verifier shares one, the
+servicer's `answer` (check the items, extend the contexts, propose), the reply serialised. Each request starts
+with a prompt of --context tokens (rounds with prompts are not timed); every round then commits 1 to 4 tokens a
+request along its tree, with their feature rows.
 
 Phases, host microseconds a round: `launch` (from the message's bytes to the block forward's replay: parse,
 checks, features, extends, prompt lookup's chains, staging), `search` (from the block replay to the search
@@ -65,8 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 class StubReplays:
-    """The drafter's graphs with replays that compute nothing: each block and search replay's start and end are
-    noted (`marks`), and the search's writes the trees drafted beforehand for the budgets the round staged."""
+    """The drafter's graphs with replays that compute nothing: each replay's start and end are noted (`marks`),
+    and the search's writes the trees drafted beforehand for the budgets the round staged."""
 
     def __init__(self, dflash, trees_by_budget: dict[int, tuple[list[int], list[int]]]):
         import torch
@@ -83,8 +83,6 @@ class StubReplays:
                 packed = torch.zeros(batch, 1 + 2 * width, dtype=torch.long)
                 replay = self._search(packed, dflash.inputs.host_budgets, trees_by_budget, width)
                 dflash.search_graphs[(batch, width)] = CapturedGraph(types.SimpleNamespace(replay=replay), (packed,))
-        for rows in dflash.write_buckets:
-            dflash.write_graphs[rows] = CapturedGraph(types.SimpleNamespace(replay=lambda: None), ())
         runner.use_graphs = True
 
     def _block(self) -> None:

@@ -9,10 +9,9 @@ to the whole context and to itself without a causal mask (the tree-attention ker
 final norm, then the target's own LM head, give a distribution for each of the next b - 1 positions. The
 block's embeddings also come from the target, so the checkpoint holds neither an embedding nor an LM head.
 Each request's tree is then searched from those distributions (trees.ddtree_select), at the narrowest of a few
-tree widths that holds the round's largest budget (the same trees as the widest). On a GPU the round replays CUDA
-graphs: the context write's per bucket of rows, the block forward's per batch bucket as the verifier's trees do and
-the search's per (batch bucket, width), so that a round is three replays and one small copy to the host rather than
-hundreds of small launches.
+tree widths that holds the round's largest budget (the same trees as the widest). On a GPU both replay CUDA graphs,
+the block forward's per batch bucket as the verifier's trees do and the search's per (batch bucket, width), so that
+a round is two replays and one small copy to the host rather than hundreds of small launches.
 
 Checkpoints follow the z-lab layout: config.json (Qwen3-style fields, `block_size`, `num_target_layers` and
 `dflash_config.target_layer_ids` / `dflash_config.mask_token_id`) and safetensors named fc.weight,
@@ -22,7 +21,6 @@ draft layer (default_target_layer_ids).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import json
@@ -52,13 +50,10 @@ from treeserve.tree import MAX_BUDGET, DraftPoolFull, DraftTree
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 POOL_BLOCK = 16  # tokens per block of the drafter's context pool
 NARROWEST_TREE_WIDTH = 16  # below it a search costs about the same: its kernels are launch-bound
-# The largest context write staged at once, in blocks per request of a full batch: a merged tree's accepted path
-# (a prompt-lookup chain of up to half the budget, then DFlash's) often runs past one block. More rows (prompts, or
-# a drafter catching up after plain rounds) are written in pieces of that size, each a replay of the largest
-# write graph: an eager write of a few dozen rows costs more, in launches, than a replay writing thousands.
+# Context rows a request's round may bring to the block graph, in blocks: a merged tree's accepted path (a
+# prompt-lookup chain of up to half the budget, then DFlash's) often runs past one block, and more than this
+# leaves the graph for an eager write.
 STAGED_BLOCKS = 2
-SMALLEST_WRITE_ROWS = 16  # below it a context write costs about the same: it is launch-bound
-LARGEST_WRITE_ROWS_AT_LEAST = 1024  # so that a small --max-batch still takes a long prompt in a few pieces
 
 log = logging.getLogger("treeserve.drafter")
 
@@ -242,7 +237,7 @@ def save_dflash(model: DFlashModel, folder: str | Path, dtype: torch.dtype = tor
 class DFlashRequest:
     """One request's draft context: its tokens and, in `sequence`, the draft layers' context keys/values
     (every committed token but the root, whose features the target has not produced yet). Rows extended since
-    its last block forward wait in `unwritten` (slots, positions, features) until the next round writes them. The
+    its last block forward wait in `unwritten` (slots, positions, features) until the next one writes them. The
     rows may lag the tokens (a merged drafter's rounds of prompt lookup alone carry none); a block forward needs
     them all (`rows_wanted` 0)."""
 
@@ -260,23 +255,6 @@ class DFlashRequest:
         return max(0, len(self.tokens) + new_tokens - 1) - self.sequence.length
 
 
-def in_pieces(parts: list[tuple[np.ndarray, np.ndarray, torch.Tensor]], at_most: int
-              ) -> list[list[tuple[np.ndarray, np.ndarray, torch.Tensor]]]:
-    """Context rows (parts of (slots, positions, features)) in order, in pieces of at most `at_most` rows, a part
-    split where a piece ends."""
-    if sum(len(slots) for slots, _, _ in parts) <= at_most:  # a round's usual rows: one piece, nothing sliced
-        return [parts] if parts else []
-    pieces, piece, room = [], [], at_most
-    for slots, positions, features in parts:
-        start = 0
-        while start < len(slots):
-            take = min(room, len(slots) - start)
-            piece.append((slots[start:start + take], positions[start:start + take], features[start:start + take]))
-            start, room = start + take, room - take
-            if room == 0:
-                pieces.append(piece)
-                piece, room = [], at_most
-    return pieces + [piece] if piece else pieces
 
 
 def tree_widths(widest: int) -> list[int]:
@@ -286,18 +264,17 @@ def tree_widths(widest: int) -> list[int]:
 
 class RoundInputs:
     """What the drafter's graphs read each round besides the pool and the block rows, on the device: each
-    request's budget (0 for padding requests) and the context rows to write (their slots, -1 for none, positions
-    and features), back to back from row 0. Filled from a host buffer allocated once, page-locked on a GPU so that
-    the copy in is queued without the host waiting for it (on the CPU, the device tensors themselves).
+    request's budget (0 for padding requests) and the context rows the block forward first writes (their slots,
+    -1 for none, positions and features), back to back from row 0. Filled from a host buffer allocated once,
+    page-locked on a GPU so that the copy in is queued without the host waiting for it (on the CPU, the device
+    tensors themselves).
 
     The long inputs and then the feature rows lie in one buffer, so that a round copies what it uses in one copy.
-    Refilling the host buffer waits for the device only where the drafter has not waited for it since (`settled`):
-    a round of trees has, as it reads them back; a round's second piece of rows (prompts beyond the inputs' rows),
-    or the first after a block forward whose trees were not read, waits."""
+    Refilling the host buffer waits for the last copy out of it only where the drafter has not waited for the
+    device since (`settled`): a round of trees always has, as it reads them back."""
 
     def __init__(self, max_batch: int, rows: int, feature_size: int, dtype: torch.dtype, device: torch.device):
         self.on_gpu = device.type == "cuda"
-        self.max_rows = rows
         self.longs_bytes = (max_batch + 2 * rows) * 8
         self.row_bytes = feature_size * dtype.itemsize
         host = torch.zeros(self.longs_bytes + rows * self.row_bytes, dtype=torch.uint8, pin_memory=self.on_gpu)
@@ -318,18 +295,16 @@ class RoundInputs:
         """The device has done all the work queued so far: the caller waited for it."""
         self.unsettled = False
 
-    def stage(self, budgets: list[int] | None, parts: list[tuple[np.ndarray, np.ndarray, torch.Tensor]]) -> int:
-        """This round's budgets (None: those staged last, kept) and context rows (parts of (slots, positions,
-        features) in turn), copied in; returns the rows."""
+    def stage(self, budgets: list[int], parts: list[tuple[np.ndarray, np.ndarray, torch.Tensor]]) -> None:
+        """This round's budgets and context rows (parts of (slots, positions, features) in turn), copied in."""
         if self.unsettled:  # (not in rounds of trees: see the class)
             torch.cuda.current_stream().synchronize()
         budgets_np, slots_np, positions_np = self.host_budgets, self.host_slots, self.host_positions
         rows = sum(len(slots) for slots, _, _ in parts)
-        if len(budgets or ()) > len(budgets_np) or rows > len(slots_np):
-            raise TreeserveError(f"dflash: {len(budgets or ())} budgets and {rows} context rows do not fit the "
-                                 f"round's inputs ({len(budgets_np)} and {len(slots_np)})")
-        if budgets is not None:
-            budgets_np[:len(budgets)], budgets_np[len(budgets):] = budgets, 0
+        if len(budgets) > len(budgets_np) or rows > len(slots_np):
+            raise TreeserveError(f"dflash: {len(budgets)} budgets and {rows} context rows do not fit the round's "
+                                 f"inputs ({len(budgets_np)} and {len(slots_np)})")
+        budgets_np[:len(budgets)], budgets_np[len(budgets):] = budgets, 0
         if parts:
             slots_np[:rows] = np.concatenate([slots for slots, _, _ in parts])
             positions_np[:rows] = np.concatenate([positions for _, positions, _ in parts])
@@ -345,7 +320,23 @@ class RoundInputs:
             used = self.longs_bytes + (rows * self.row_bytes if features and on_host else 0)
             self.buffer[:used].copy_(self.host[:used], non_blocking=True)
             self.unsettled = True
-        return rows
+
+
+def rows_to_gpu(slots: np.ndarray, positions: np.ndarray, features: list[torch.Tensor], dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Context rows from the host (their slots, positions and features, in parts) on the GPU, through one
+    page-locked buffer in one copy, queued without the host waiting for it: a copy from pageable memory waits for
+    the copy, and so for the device's work queued before it. Torch's page-locked allocator keeps the buffer until
+    the copy is made."""
+    rows, width = len(slots), features[0].shape[1]
+    longs_bytes = 2 * rows * 8
+    host = torch.empty(longs_bytes + rows * width * dtype.itemsize, dtype=torch.uint8, pin_memory=True)
+    longs = host[:longs_bytes].view(torch.long).numpy()
+    longs[:rows], longs[rows:] = slots, positions
+    torch.cat(features, out=host[longs_bytes:].view(dtype).view(rows, width))
+    moved = host.to(device, non_blocking=True)
+    on_device = moved[:longs_bytes].view(torch.long)
+    return on_device[:rows], on_device[rows:], moved[longs_bytes:].view(dtype).view(rows, width)
 
 
 # Context tokens the drafter's pool holds over all requests, unless told (per token: 2 x layers x kv heads x
@@ -356,10 +347,9 @@ DEFAULT_CONTEXT_TOKENS = {"cpu": 32768, "cuda": 262144}
 class DFlashDrafter:
     """Batched DFlash drafting: one block forward for every request of a round, then each request's tree built on
     the device (`chain`: the argmax path; `ddtree`: the best tree of its budget, up to `max_budget` nodes).
-    Contexts live in one paged pool of `kv_cache_tokens`; with `graphs` (CUDA) the context write replays a graph
-    per bucket of rows, the block forward one per batch bucket up to `max_batch` and the trees one per (batch
-    bucket, tree width) (call `capture()` once), so a round costs three replays and one copy of the trees to the
-    host."""
+    Contexts live in one paged pool of `kv_cache_tokens`; with `graphs` (CUDA) the block forward replays a graph
+    per batch bucket up to `max_batch` and the trees one per (batch bucket, tree width) (call `capture()` once),
+    so a round costs two replays and one copy of the trees to the host."""
 
     name = "dflash"
 
@@ -398,14 +388,11 @@ class DFlashDrafter:
         self.block_mask = np.ones((cfg.block_size, cfg.block_size), dtype=np.int8)  # a block sees all of itself
         self.runner = PagedRunner(self.pool, self._block_forward, max_batch, [cfg.block_size],
                                   max_context or cfg.layers.max_context, graphs)
-        self.inputs = RoundInputs(max_batch, max(max_batch * STAGED_BLOCKS * cfg.block_size,
-                                                 LARGEST_WRITE_ROWS_AT_LEAST), cfg.feature_size, model.dtype, device)
-        self.write_buckets = buckets_up_to(self.inputs.max_rows, tuple(
-            rows for rows in powers_of_two_up_to(self.inputs.max_rows) if rows >= SMALLEST_WRITE_ROWS))
+        # The block forward first writes the round's new context rows, up to STAGED_BLOCKS blocks per request, so
+        # that a round's context write is part of its graph replay.
+        self.staged_rows = STAGED_BLOCKS * cfg.block_size
+        self.inputs = RoundInputs(max_batch, max_batch * self.staged_rows, cfg.feature_size, model.dtype, device)
         self.unwritten: dict[int, DFlashRequest] = {}  # id -> a context with rows not written yet
-        self.write_graphs: dict[int, CapturedGraph] = {}  # bucket of context rows -> its write's graph
-        # Context writes by the bucket whose graph replayed them (None: eagerly), for tests and benches.
-        self.writes: collections.Counter = collections.Counter()
         self.search_graphs: dict[tuple[int, int], CapturedGraph] = {}  # (batch bucket, tree width) -> its graph
         self.search_plans = []  # the index tables the search graphs read
 
@@ -422,11 +409,9 @@ class DFlashDrafter:
         seconds = self.runner.capture()
         started = time.perf_counter()
         self._capture_searches()
-        self._capture_writes()
-        log.info("captured %d CUDA graphs of the DFlash block forward (batch up to %d), %d of its tree search "
-                 "(widths %s) and %d of its context write (up to %d rows) in %.1f s", len(self.runner.graphs),
-                 self.runner.max_batch, len(self.search_graphs), ", ".join(map(str, self.tree_widths)),
-                 len(self.write_graphs), self.inputs.max_rows, seconds + time.perf_counter() - started)
+        log.info("captured %d CUDA graphs of the DFlash block forward (batch up to %d) and %d of its tree search "
+                 "(widths %s) in %.1f s", len(self.runner.graphs), self.runner.max_batch, len(self.search_graphs),
+                 ", ".join(map(str, self.tree_widths)), seconds + time.perf_counter() - started)
 
     @torch.inference_mode()
     def _capture_searches(self) -> None:
@@ -447,18 +432,6 @@ class DFlashDrafter:
                                              self.runner.memory_pool)
                     self.runner.memory_pool = captured.graph.pool()
                     self.search_graphs[(batch, width)] = captured
-        torch.cuda.synchronize()
-
-    @torch.inference_mode()
-    def _capture_writes(self) -> None:
-        """A context write's graph per bucket of rows, into the block graphs' memory pool too (no outputs; staged
-        slots are -1 while capturing, so nothing is written)."""
-        self.write_graphs.clear()
-        with cycle_collection_paused():
-            for rows in reversed(self.write_buckets):
-                captured = capture_graph(functools.partial(self._write_staged, rows), self.runner.memory_pool)
-                self.runner.memory_pool = captured.graph.pool()
-                self.write_graphs[rows] = captured
         torch.cuda.synchronize()
 
     def new_context(self) -> DFlashRequest:
@@ -499,40 +472,38 @@ class DFlashDrafter:
             sequence.commit(rows)
             self.unwritten[id(context)] = context
 
-    def write_context(self, contexts: list[DFlashRequest] | None = None, budgets: list[int] | None = None) -> None:
-        """Write the unwritten context rows of `contexts` (default: every context's) now, staging `budgets` (a
-        round's, for its search; None keeps those staged) with them: in pieces of the inputs' rows, each replayed
-        from the graph of the smallest bucket that holds it, or eagerly where graphs are not captured."""
+    def write_context(self, contexts: list[DFlashRequest] | None = None) -> None:
+        """Write the unwritten context rows of `contexts` (default: every context's) now, in one eager pass."""
         contexts = list(self.unwritten.values()) if contexts is None else contexts
         parts = [part for context in contexts for part in self._take_unwritten(context)]
-        if not parts and budgets is None:
-            return
-        for piece in in_pieces(parts, self.inputs.max_rows) or [[]]:
-            rows = self.inputs.stage(budgets, piece)
-            if not rows:
-                continue
-            bucket = next(size for size in self.write_buckets if size >= rows) if self.write_graphs else None
-            self.writes[bucket] += 1
-            if bucket is None:
-                self._write_staged(rows)
+        if parts:
+            slots, positions, features = zip(*parts)
+            slots, positions = np.concatenate(slots), np.concatenate(positions)
+            if self.kernels and all(part.device.type == "cpu" for part in features):
+                rows = rows_to_gpu(slots, positions, features, self.model.dtype, self.model.device)
             else:
-                self.write_graphs[bucket].graph.replay()
-
-    def _write_staged(self, rows: int) -> tuple[()]:
-        """Write the first `rows` staged context rows (padding rows, slot -1, write nothing): the work the write
-        graphs capture."""
-        inputs = self.inputs
-        self.model.write_context(self.pool, inputs.slots[:rows], inputs.positions[:rows], inputs.features[:rows],
-                                 self.kernels)
-        return ()
+                rows = torch.from_numpy(slots), torch.from_numpy(positions), torch.cat(features)
+            self.model.write_context(self.pool, *rows, self.kernels)
 
     def _take_unwritten(self, context: DFlashRequest) -> list[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
         parts, context.unwritten = context.unwritten, []
         self.unwritten.pop(id(context), None)
         return parts
 
+    def _stage_round(self, contexts: list[DFlashRequest], budgets: list[int]) -> None:
+        """The round's budgets and every context's unwritten rows, in the graphs' inputs; a context with more than
+        staged_rows of them (a prompt) is written eagerly first, so that the rest fit any bucket that holds the
+        batch."""
+        self.write_context([context for context in contexts if context.unwritten_rows > self.staged_rows])
+        self.inputs.stage(budgets, [part for context in contexts for part in self._take_unwritten(context)])
+
     def _block_forward(self, rows: TreeRows) -> tuple[torch.Tensor]:
-        """Log-probabilities (rows, vocab) of every block row: the forward the block graphs capture."""
+        """Log-probabilities (rows, vocab) of every block row, after writing the round's context rows: the
+        forward the block graphs capture."""
+        staged = slice(0, rows.paged.batch * self.staged_rows)
+        inputs = self.inputs
+        self.model.write_context(self.pool, inputs.slots[staged], inputs.positions[staged],
+                                 inputs.features[staged], self.kernels)
         return (self.row_log_probs(rows),)
 
     def _search(self, log_probs: torch.Tensor, width: int) -> tuple[torch.Tensor]:
@@ -555,7 +526,7 @@ class DFlashDrafter:
     def _run_block(self, contexts: list[DFlashRequest], budgets: list[int]) -> torch.Tensor:
         """The block forward of these contexts (at most max_batch), their budgets staged for the search: the
         log-probabilities (B', block_size, vocab), B' >= B their batch bucket's (the rows past B are padding)."""
-        self.write_context(contexts, budgets)
+        self._stage_round(contexts, budgets)
         block, mask_token = self.model.config.block_size, self.model.config.mask_token_id
         sequences = [context.sequence for context in contexts]
         log_probs, = self.runner.run(
