@@ -22,7 +22,7 @@ from treeserve.verifier import generate
 from treeserve.verifier import drafter_link
 from treeserve.verifier.adaptive import AdaptiveSpeculation
 from treeserve.verifier.drafter_link import DrafterLink
-from treeserve.verifier.round import Choice, FixedSpeculation
+from treeserve.verifier.round import CONTEXT_LAG_ROWS, Choice, FixedSpeculation
 from treeserve.verifier.server import VerifierServicer
 from treeserve.wire import features_to_proto
 
@@ -113,16 +113,19 @@ def check_received_features(target, drafter, complete: bool = True):
     return checked
 
 
-def serve_prompts(tmp_path, target, drafter, speculation):
+def serve_prompts(tmp_path, target, drafter, speculation, max_new_tokens=30, messages: list | None = None):
     """PROMPTS at once through a verifier deciding by `speculation` and `drafter` served on a Unix socket; returns
-    the outputs and the verifier's link to the drafter (closed)."""
+    the outputs and the verifier's link to the drafter (closed). `messages`: gets every Draft message sent."""
     async def main():
         drafter_service = await start_drafter(tmp_path, drafter)
         link = DrafterLink(drafter_service.address, timeout_s=5.0)
+        if messages is not None:
+            build = link._messages
+            link._messages = lambda *args: messages.extend(built := build(*args)) or built
         verifier, scheduler, task = await start_verifier(tmp_path, target, link, speculation)
         async with grpc.aio.insecure_channel(verifier.address) as channel:
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
-            outputs = await asyncio.gather(*(collect(stub, request(p)) for p in PROMPTS))
+            outputs = await asyncio.gather(*(collect(stub, request(p, max_new_tokens)) for p in PROMPTS))
         await stop_all(task, verifier, link, drafter_service)
         return outputs, link
 
@@ -178,17 +181,17 @@ def test_dflash_through_the_services_is_lossless_and_gets_the_target_features(tm
     assert drafter.pool.allocator.free_count == drafter.pool.allocator.num_blocks
 
 
-class EveryFifthRound(FixedSpeculation):
-    """A speculation policy that drafts (budget 8) one round in five, and decodes plainly in the others."""
+class EveryNthRound(FixedSpeculation):
+    """A speculation policy that drafts (budget 8) one round in `n`, and decodes plainly in the others."""
 
-    def __init__(self):
-        self.rounds = 0
+    def __init__(self, n: int = 5):
+        self.rounds, self.n = 0, n
 
     def round_budgets(self, asked, batch, lookup=False):
         if not asked:
             return {}, None
         self.rounds += 1
-        budget = 8 if self.rounds % 5 == 0 else 0
+        budget = 8 if self.rounds % self.n == 0 else 0
         return {request_id: min(budget, own) for request_id, own in asked.items() if budget}, Choice(budget)
 
 
@@ -196,11 +199,37 @@ def test_features_of_plain_rounds_reach_the_drafter_when_it_next_drafts(tmp_path
     """Rounds without a draft keep their features in the verifier's pool; the next draft gets all of them, in
     order, and the output stays the target's own."""
     drafter = recording_drafter(target)
-    outputs, _ = serve_prompts(tmp_path, target, drafter, EveryFifthRound())
+    outputs, _ = serve_prompts(tmp_path, target, drafter, EveryNthRound())
     for prompt, output in zip(PROMPTS, outputs):
         assert output == expected(target, prompt)
     assert check_received_features(target, drafter) == len(PROMPTS)
     assert all(len(context.received) < len(context.tokens) - 1 for context in drafter.contexts)  # rows came batched
+
+
+def test_rows_of_plain_rounds_go_ahead_of_the_next_tree_and_are_written_meanwhile(tmp_path, target):
+    """Through long runs of plain rounds, a request's feature rows go to its drafter on messages that ask for no
+    tree once its context lags by CONTEXT_LAG_ROWS, and the drafter writes them after answering: a tree after
+    plain rounds brings no more rows than that, and its block forward finds no more than that to write. The
+    output stays the target's own, and every row reaches the drafter, in order."""
+    drafter = recording_drafter(target)
+    unwritten = []  # at each block forward, the most rows a context had left to write
+    run_block = drafter._run_block
+
+    def recording_run_block(contexts, budgets):
+        unwritten.append(max(context.unwritten_rows for context in contexts))
+        return run_block(contexts, budgets)
+
+    drafter._run_block = recording_run_block
+    messages = []
+    outputs, _ = serve_prompts(tmp_path, target, drafter, EveryNthRound(25), max_new_tokens=60, messages=messages)
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output == expected(target, prompt, 60)
+    assert check_received_features(target, drafter) == len(PROMPTS)
+    items = [item for message in messages for item in message.items if not item.finished]
+    ahead = [item for item in items if item.budget == 0]
+    assert ahead and all(item.features.shape[0] >= CONTEXT_LAG_ROWS // 2 for item in ahead)
+    assert max(item.features.shape[0] for item in items if item.budget) <= CONTEXT_LAG_ROWS
+    assert unwritten and max(unwritten) <= CONTEXT_LAG_ROWS
 
 
 class OwnLookupPlain(FixedSpeculation):
@@ -513,7 +542,9 @@ def test_rows_read_in_place_from_the_region_or_kept_for_later_are_the_ones_sent(
     """A round of the drafter's own trees reads its rows in the feature region in place; rows that wait for a later
     round (a round of prompt lookup's trees alone that brought some) are copied out first, since the verifier writes
     the region again for its next round. Either way the context holds what the verifier sent: the same keys and
-    values as a drafter fed the same rows in the messages, however the region is written after each round."""
+    values as a drafter fed the same rows in the messages, however the region is written after each round, and
+    whether the rows that came without a tree of the drafter's own are written after the answer (`write_ahead`)
+    or with the next block forward."""
     from treeserve.drafter.merged import MergedDrafter
     from treeserve.feature_region import MappedRegion
 
@@ -521,11 +552,11 @@ def test_rows_read_in_place_from_the_region_or_kept_for_later_are_the_ones_sent(
     # (new tokens, rows of them, lookup's tree alone): the prompt's rows come with a round of lookup's trees.
     rounds = [([1, 2, 3, 4, 5], 4, True), ([6, 7], 2, False), ([8, 9, 10], 3, True), ([11], 1, False)]
 
-    def serve(region):
+    def serve(region, ahead: bool):
         drafter = MergedDrafter(random_dflash_drafter(target.model, "ddtree"))
         mapped = MappedRegion(region.path) if region is not None else None
         sent, trees = 0, []
-        with DrafterServicer(drafter).stream() as answer:
+        with DrafterServicer(drafter).stream() as (answer, write_ahead):
             for round_, (tokens, count, lookup_only) in enumerate(rounds, 1):
                 item = drafter_pb2.DraftItem(request_id="a", new_token_ids=tokens, budget=4, lookup_only=lookup_only)
                 part = rows[sent:sent + count]
@@ -537,6 +568,9 @@ def test_rows_read_in_place_from_the_region_or_kept_for_later_are_the_ones_sent(
                 sent += count
                 reply = answer(drafter_pb2.DraftRequest(round=round_, items=[item]), mapped)
                 trees.append([(list(tree.token_ids), list(tree.parents)) for tree in reply.trees])
+                if ahead:
+                    write_ahead()
+                    assert drafter.dflash.unwritten == {}
                 if region is not None:
                     region.bytes.fill_(0x7F)  # the verifier's next round, writing over this one's rows
             pool = drafter.dflash.pool.data.clone()
@@ -544,14 +578,20 @@ def test_rows_read_in_place_from_the_region_or_kept_for_later_are_the_ones_sent(
             mapped.close()
         return pool, trees
 
-    region = feature_region.FeatureRegion(1 << 20)
-    try:
-        through_region = serve(region)
-    finally:
-        region.close()
-    in_messages = serve(None)
-    torch.testing.assert_close(through_region[0], in_messages[0], rtol=0, atol=0)
-    assert through_region[1] == in_messages[1]
+    served = {}
+    for ahead in (False, True):
+        region = feature_region.FeatureRegion(1 << 20)
+        try:
+            through_region = serve(region, ahead)
+        finally:
+            region.close()
+        in_messages = serve(None, ahead)
+        torch.testing.assert_close(through_region[0], in_messages[0], rtol=0, atol=0)
+        assert through_region[1] == in_messages[1]
+        served[ahead] = in_messages
+    # Rows written in other groupings differ by the rounding of their projections alone.
+    torch.testing.assert_close(served[True][0], served[False][0], rtol=1e-5, atol=1e-5)
+    assert served[True][1] == served[False][1]
 
 
 def test_a_drafter_whose_features_the_pool_has_no_room_for_is_not_used(tmp_path, target, monkeypatch):

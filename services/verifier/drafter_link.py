@@ -150,6 +150,7 @@ class DrafterLink:
         self.sent: dict[str, int] = {}  # request id -> tokens of its context this stream has seen
         self.rows_sent: dict[str, int] = {}  # request id -> feature rows of its context this stream has seen
         self.to_drop: set[str] = set()  # finished or cancelled requests the drafter should forget
+        self.unanswered: list[drafter_pb2.DraftRequest] = []  # messages of send_rows whose answers are unread
         self.round = 0
         self.backoff_s, self.retry_at = 0.1, 0.0
 
@@ -234,10 +235,15 @@ class DrafterLink:
         Returns what `replies` waits on, or the DraftRound of a link that is down or failed."""
         if not self.up:
             return DraftRound({})
+        started = time.perf_counter()  # (a wait for send_rows' answers is the drafter's too)
+        try:
+            await self._read_answers_to_rows()
+        except STREAM_FAILURES as error:
+            self._down(f"round failed: {describe(error)}")
+            return DraftRound({}, round_trip_s=time.perf_counter() - started)
         catch_up = any(self._catches_up(request_id, generation, lookup_only)
                        for request_id, generation in requests.items())
         messages = self._messages(requests, trace_contexts, budgets or {}, lookup_only)
-        started = time.perf_counter()
         try:
             for message in messages:  # all written first: the drafter works through them while the rest travel
                 await self.call.write(message)
@@ -277,14 +283,37 @@ class DrafterLink:
         # A repeated field's slice is a list, made about twice as fast as list() iterating over the field.
         return DraftTree(tree.token_ids[:], tree.parents[:], chain)
 
+    async def send_rows(self, requests: dict) -> None:
+        """The feature rows these requests' draft contexts lack (requests: request id -> its Generation), on a
+        message that asks for no tree, whose answer is read only before the link's next message: the drafter
+        writes them while the verifier goes on (DrafterServicer's write_ahead), so that a tree after rounds of
+        plain decoding need not write them first."""
+        if not self.up or not requests:
+            return
+        try:
+            await self._read_answers_to_rows()
+            for message in self._messages(requests, {}, dict.fromkeys(requests, 0)):
+                await self.call.write(message)
+                self.unanswered.append(message)
+        except STREAM_FAILURES as error:
+            self._down(f"sending feature rows failed: {describe(error)}")
+
+    async def _read_answers_to_rows(self) -> None:
+        """The answers to send_rows' messages, read before another message is built: the drafter has then
+        taken their rows out of the feature region, which the next message writes again."""
+        while self.unanswered:
+            await self._reply_to(self.unanswered[0])
+            del self.unanswered[0]
+
     async def send_drops(self) -> None:
         """Tell the drafter now which requests ended, on a message of their own, rather than with this link's
         next round: for when no round follows soon (the batch is empty), so their contexts are freed."""
         if not self.up or not self.to_drop:
             return
-        message = self._new_message()
-        self._add_drops(message)
         try:
+            await self._read_answers_to_rows()
+            message = self._new_message()
+            self._add_drops(message)
             await self.call.write(message)
             await self._reply_to(message)
         except STREAM_FAILURES as error:
@@ -367,6 +396,7 @@ class DrafterLink:
         self.sent.clear()
         self.rows_sent.clear()
         self.to_drop.clear()  # a new stream starts with no contexts: nothing to drop there
+        self.unanswered.clear()
         self.retry_at = time.monotonic() + self.backoff_s
         log.warning("drafter %s down (%s); retrying in %.1f s", self.address, why, self.backoff_s)
         self.backoff_s = min(self.backoff_s * 2, self.max_backoff_s)
