@@ -276,7 +276,7 @@ async def speculative_round(running: dict[str, Running], speculation: Speculatio
         bool(asking) and all(entry.link.lookup_trees for entry in asking.values()))
     drafts = await draft(asking, budgets, trace_contexts, runner.feature_copies, choice is not None and choice.lookup)
     trees = {request_id: tree for found in drafts for request_id, tree in found.trees.items()}
-    await send_lagging_rows(asking, runner.feature_copies)
+    await send_lagging_rows(asking, batch, runner.feature_copies)
     drafted = time.perf_counter()
     report = RoundReport(batch, choice, budgets, drafts, draft_s=drafted - started)
     # Plan: each request's rows of one forward, its tree's or its prompt's (the root alone: a plain step).
@@ -336,32 +336,24 @@ async def draft(asking: dict[str, Running], budgets: dict[str, int], trace_conte
     return list(await asyncio.gather(*(link.replies(written) for link, written in sent)))
 
 
-# Feature rows a request's draft context may lag its KV cache by (while it decodes plainly, or drafts by prompt
+# Feature rows a lone request's draft context may lag its KV cache by (while it decodes plainly, or drafts by prompt
 # lookup alone) before they go to its drafter without a tree: fewer than a drafter writes within the block forward
 # of a tree (DFlash's staged rows, 32), so that a tree after plain rounds costs about what a steady one does.
 CONTEXT_LAG_ROWS = 16
 
 
-async def send_lagging_rows(asking: dict[str, Running], copies: FeatureCopies) -> None:
-    """Once a request's draft context lags by CONTEXT_LAG_ROWS rows, the rows of every request of its drafter
-    that lags by half that go out on a message asking for no tree (DrafterLink.send_rows): the drafter writes them
-    while the verifier goes on, not before those requests' next trees. One message for many requests' rows keeps
-    it rare at a large batch."""
-    lagging: dict[DrafterLink, dict[str, Generation]] = {}
-    due: set[DrafterLink] = set()
-    for request_id, entry in asking.items():
-        link = entry.link
-        if not link.feature_layer_ids:
-            continue
-        lag = entry.generation.cache.length - link.rows_sent.get(request_id, 0)
-        if lag >= CONTEXT_LAG_ROWS // 2:
-            lagging.setdefault(link, {})[request_id] = entry.generation
-            if lag >= CONTEXT_LAG_ROWS:
-                due.add(link)
-    if due:
-        copies.wait()  # (rows of the last forward's drafted trees come from their copy to the host)
-    for link in due:
-        await link.send_rows(lagging[link])
+async def send_lagging_rows(asking: dict[str, Running], batch: int, copies: FeatureCopies) -> None:
+    """Once a lone request's draft context lags by CONTEXT_LAG_ROWS rows, they go to its drafter on a message that
+    asks for no tree (DrafterLink.send_rows): the drafter writes them while the verifier goes on, not before the
+    request's next tree. Alone only: in a batch, the sends and the drafter's writes beside the plain rounds cost
+    those rounds more than they saved the trees."""
+    if batch != 1 or len(asking) != 1:
+        return
+    (request_id, entry), = asking.items()
+    link = entry.link
+    if link.feature_layer_ids and entry.generation.cache.length - link.rows_sent.get(request_id, 0) >= CONTEXT_LAG_ROWS:
+        copies.wait()  # (rows of the last forward's drafted tree come from their copy to the host)
+        await link.send_rows({request_id: entry.generation})
 
 
 def plan(request_id: str, generation: Generation, tree: DraftTree | None) -> ForwardPlan:
