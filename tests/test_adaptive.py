@@ -216,6 +216,27 @@ def test_catch_up_round_trips_price_tries_not_rounds():
     assert plain_rounds_before_a_try(250.0) == pytest.approx(0.250 / Exploration.SHARE / 0.011, abs=2)
 
 
+def test_a_lone_requests_first_tree_prices_nothing_but_in_a_batch_it_is_a_catch_up():
+    """A lone request's first tree brings its prompt and is played whatever the choice: its round trip prices neither
+    steady rounds nor the tries after plain rounds, which bring a few rows. In a batch, new requests join the trees
+    of the others, and their prompts are a cost of playing trees there: such a round trip prices catch-ups."""
+    first = DraftRound({"a": DraftTree([1, 2], [-1, 0])}, round_trip_s=0.0095, catch_up=True, prompt=True)
+    adaptive = AdaptiveSpeculation()
+    costs(adaptive, 1, {1: 1.6, 17: 2.2}, draft_ms=None)
+    for _ in range(RecentCost.SETTLED):
+        adaptive.observe(report(Choice(16), 1, {"a": (16, 4)}, verify_ms=2.2, drafts=[first]))
+    assert adaptive.costs.catch_up_extra(1, 16) == 0.0 and not adaptive.costs.draft_s[False]
+    tried = DraftRound({"a": DraftTree([1, 2], [-1, 0])}, round_trip_s=0.003, catch_up=True)
+    for _ in range(RecentCost.SETTLED):
+        adaptive.observe(report(Choice(16), 1, {"a": (16, 4)}, verify_ms=2.2, drafts=[tried]))
+    assert adaptive.costs.catch_up_extra(1, 16) == pytest.approx(0.003)
+    in_a_batch = AdaptiveSpeculation()
+    costs(in_a_batch, 4, {1: 1.6, 17: 2.2}, draft_ms=None)
+    for _ in range(RecentCost.SETTLED):
+        in_a_batch.observe(report(Choice(16), 4, {i: (16, 4) for i in "abcd"}, verify_ms=2.2, drafts=[first]))
+    assert in_a_batch.costs.catch_up_extra(4, 16) == pytest.approx(0.0095)
+
+
 def lookup_costs(adaptive: AdaptiveSpeculation, batch: int, draft_ms: float):
     """Round trips for prompt lookup's trees alone, at every budget."""
     for _ in range(RecentCost.SETTLED):

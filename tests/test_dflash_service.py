@@ -190,7 +190,10 @@ class EveryNthRound(FixedSpeculation):
     """A speculation policy that drafts (budget 8) one round in `n`, and decodes plainly in the others."""
 
     def __init__(self, n: int = 5):
-        self.rounds, self.n = 0, n
+        self.rounds, self.n, self.reports = 0, n, []
+
+    def observe(self, report):
+        self.reports.append(report)
 
     def round_budgets(self, asked, batch, lookup=False):
         if not asked:
@@ -214,8 +217,9 @@ def test_features_of_plain_rounds_reach_the_drafter_when_it_next_drafts(tmp_path
 def test_rows_of_plain_rounds_go_ahead_of_the_next_tree_and_are_written_meanwhile(tmp_path, target):
     """Through long runs of plain rounds, a lone request's feature rows go to its drafter on messages that ask for
     no tree once its context lags by CONTEXT_LAG_ROWS, and the drafter writes them after answering: a tree after
-    plain rounds brings no more rows than that, and its block forward finds no more than that to write. The
-    output stays the target's own, and every row reaches the drafter, in order."""
+    plain rounds brings no more rows than that, and its block forward finds no more than that to write. A first
+    tree that brings its prompt says so (DraftRound.prompt). The output stays the target's own, and every row
+    reaches the drafter, in order."""
     drafter = recording_drafter(target)
     unwritten = []  # at each block forward, the most rows a context had left to write
     run_block = drafter._run_block
@@ -226,7 +230,8 @@ def test_rows_of_plain_rounds_go_ahead_of_the_next_tree_and_are_written_meanwhil
 
     drafter._run_block = recording_run_block
     messages = []
-    outputs, _ = serve_prompts(tmp_path, target, drafter, EveryNthRound(25), max_new_tokens=60, messages=messages,
+    policy = EveryNthRound(25)
+    outputs, _ = serve_prompts(tmp_path, target, drafter, policy, max_new_tokens=60, messages=messages,
                                one_at_a_time=True)
     for prompt, output in zip(PROMPTS, outputs):
         assert output == expected(target, prompt, 60)
@@ -236,6 +241,11 @@ def test_rows_of_plain_rounds_go_ahead_of_the_next_tree_and_are_written_meanwhil
     assert len(ahead) >= len(PROMPTS) and all(item.features.shape[0] >= CONTEXT_LAG_ROWS for item in ahead)
     assert max(item.features.shape[0] for item in items if item.budget) <= CONTEXT_LAG_ROWS
     assert unwritten and max(unwritten) <= CONTEXT_LAG_ROWS
+    trees = [(report.requests[0].request_id, report.drafts[0].prompt) for report in policy.reports if report.drafts]
+    firsts = {request_id: prompt for request_id, prompt in reversed(trees)}  # each request's first tree
+    # Only a first tree brings a prompt, unless its rows went ahead of it (a request that decoded plainly first).
+    assert len(firsts) == len(PROMPTS) and any(firsts.values())
+    assert sum(prompt for _, prompt in trees) == sum(firsts.values())
 
 
 class OwnLookupPlain(FixedSpeculation):

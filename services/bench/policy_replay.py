@@ -5,9 +5,10 @@ there would emit with the shipped merged drafter's own tree at each budget (--bu
 path the answer continues; no target forward per position: the answer is known). That record (--positions FILE,
 made once and reused: it takes about 20 s a prompt on two cores) is then replayed, one request after another, under
 fixed budgets and under adaptive speculation at each acceptance memory (--decays), with a round's cost made of
-the parts given in ms (--plain-ms, --tree-extra-ms, --draft-ms, --lookup-ms, --catch-up-ms: by default what one
-H100 measured for SmolLM2 through the three services). Reports tokens per second over plain decoding's for each, and
-the rounds by choice: where the policy's choices, not the device, make adaptive speculation lose to a fixed tree.
+the parts given in ms (--plain-ms, --tree-extra-ms, --draft-ms, --lookup-ms, --catch-up-ms, --prompt-ms: by
+default what one H100 measured for SmolLM2 through the three services, a request's first tree priced as any
+catch-up). Reports tokens per second over plain decoding's for each, and the rounds by choice: where the policy's
+choices, not the device, make adaptive speculation lose to a fixed tree.
 """
 
 from __future__ import annotations
@@ -76,11 +77,15 @@ def record_positions(prompts: Path, limit: int | None, budgets: list[int], max_n
 
 class RoundCosts:
     """A replayed round's seconds by its parts: a plain round; what a tree adds to the verification; the drafter's
-    round trip for its own trees, for lookup's alone, and what a round trip that catches the context up adds."""
+    round trip for its own trees, for lookup's alone, what a round trip that catches the context up adds, and what
+    a request's first tree of the drafter's own adds beside that when no plain round came before it (its prompt's
+    rows, which a plain round would have sent ahead)."""
 
-    def __init__(self, plain_ms: float, tree_extra_ms: float, draft_ms: float, lookup_ms: float, catch_up_ms: float):
+    def __init__(self, plain_ms: float, tree_extra_ms: float, draft_ms: float, lookup_ms: float, catch_up_ms: float,
+                 prompt_ms: float = 0.0):
         self.plain_s, self.tree_extra_s = plain_ms / 1e3, tree_extra_ms / 1e3
         self.draft_s, self.lookup_s, self.catch_up_s = draft_ms / 1e3, lookup_ms / 1e3, catch_up_ms / 1e3
+        self.prompt_s = prompt_ms / 1e3
 
 
 def replay(positions: list[dict], costs: RoundCosts, policy_factory=None, fixed_budget: int = 32
@@ -96,6 +101,7 @@ def replay(positions: list[dict], costs: RoundCosts, policy_factory=None, fixed_
     rounds: dict[str, int] = {}
     for number, record in enumerate(positions):
         request_id, length, p, last = f"r{number}", len(record["answer"]), 0, "plain"
+        prompt_unsent, first_own = True, True
         while p < length - 1:
             if policy is None:
                 budget, choice, lookup = fixed_budget, None, False
@@ -112,11 +118,14 @@ def replay(positions: list[dict], costs: RoundCosts, policy_factory=None, fixed_
                 emitted = min(column[p], budget + 1, length - 1 - p)
                 catch_up = last != "own" and not lookup
                 trip = costs.lookup_s if lookup else costs.draft_s + (costs.catch_up_s if catch_up else 0.0)
-                drafts = [DraftRound({request_id: None}, round_trip_s=trip, catch_up=catch_up)]
+                prompt = first_own and prompt_unsent and not lookup
+                trip += costs.prompt_s if prompt else 0.0
+                first_own = first_own and lookup
+                drafts = [DraftRound({request_id: None}, round_trip_s=trip, catch_up=catch_up, prompt=prompt)]
                 request = RequestReport(request_id, emitted, tree_nodes=budget, accepted=emitted - 1)
                 verify, last = costs.plain_s + costs.tree_extra_s, "lookup" if lookup else "own"
             else:
-                emitted, trip, verify, drafts, last = 1, 0.0, costs.plain_s, [], "plain"
+                emitted, trip, verify, drafts, last, prompt_unsent = 1, 0.0, costs.plain_s, [], "plain", False
                 request = RequestReport(request_id, 1)
             if policy is not None:
                 policy.observe(RoundReport(1, choice, {request_id: budget} if budget else {}, drafts, forward_batch=1,
@@ -145,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-ms", type=float, default=0.76)
     parser.add_argument("--lookup-ms", type=float, default=0.15)
     parser.add_argument("--catch-up-ms", type=float, default=0.3)
+    parser.add_argument("--prompt-ms", type=float, default=0.0)
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     args = parser.parse_args(argv)
     try:
@@ -159,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         args.positions.write_text(json.dumps(positions) + "\n")
     from treeserve.verifier.adaptive import AdaptiveSpeculation
 
-    costs = RoundCosts(args.plain_ms, args.tree_extra_ms, args.draft_ms, args.lookup_ms, args.catch_up_ms)
+    costs = RoundCosts(args.plain_ms, args.tree_extra_ms, args.draft_ms, args.lookup_ms, args.catch_up_ms,
+                       args.prompt_ms)
     rows = []
     for budget in sorted(int(b) for b in positions[0]["own"]):
         speedup, rounds = replay(positions, costs, fixed_budget=budget)
@@ -171,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['policy']:>24}: {row['speedup']:.3f}x plain decoding  rounds {row['rounds']}")
     if args.out:
         command = " ".join(["python -m treeserve.bench.policy_replay", *(argv if argv is not None else sys.argv[1:])])
-        costs_ms = {part: getattr(args, f"{part}_ms") for part in ("plain", "tree_extra", "draft", "lookup", "catch_up")}
+        costs_ms = {part: getattr(args, f"{part}_ms")
+                    for part in ("plain", "tree_extra", "draft", "lookup", "catch_up", "prompt")}
         args.out.write_text(json.dumps({"command": command, "costs_ms": costs_ms, "rows": rows}, indent=1) + "\n")
     return 0
 

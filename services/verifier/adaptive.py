@@ -528,7 +528,10 @@ class AdaptiveSpeculation:
                 self.lookup_acceptance.observe(request.request_id, report.budgets.get(request.request_id, 0) // 2,
                                                request.lookup_accepted + 1)
         trips = [found.round_trip_s for found in report.drafts if found.trees]
-        if report.budgets and trips:
+        # A lone request's first tree, played whatever the choice (a first try), brings its prompt: it would price
+        # the tries after plain rounds, which bring at most a few rows (send_lagging_rows), far above their cost.
+        first_tree_alone = report.batch == 1 and any(found.prompt for found in report.drafts)
+        if report.budgets and trips and not first_tree_alone:
             self.costs.observe_draft(report.batch, max(report.budgets.values()), max(trips),
                                      catch_up=any(found.catch_up for found in report.drafts), lookup=report.lookup)
         choice = report.choice

@@ -66,6 +66,9 @@ class DraftRound:
     # Whether a request's context moved on by more than its last round (`catches_up`): such a round trip carries
     # more tokens and features than a steady one, so it prices a try, not a round.
     catch_up: bool = False
+    # Whether it asked a request's first tree of the drafter's own on this stream, which brings the request's whole
+    # context so far (its prompt): dearer than a try after plain rounds.
+    prompt: bool = False
 
     @property
     def request_bytes(self) -> int:
@@ -84,6 +87,7 @@ class SentRound:
     started: float  # perf_counter before the first write
     catch_up: bool
     lookup_only: bool
+    prompt: bool = False
 
 
 # Most bytes of features one Draft message carries. gRPC refuses a message above its limit (serving.MESSAGE_OPTIONS)
@@ -243,6 +247,7 @@ class DrafterLink:
             return DraftRound({}, round_trip_s=time.perf_counter() - started)
         catch_up = any(self._catches_up(request_id, generation, lookup_only)
                        for request_id, generation in requests.items())
+        prompt = not lookup_only and any(request_id not in self._contexts_sent for request_id in requests)
         messages = self._messages(requests, trace_contexts, budgets or {}, lookup_only)
         try:
             for message in messages:  # all written first: the drafter works through them while the rest travel
@@ -250,7 +255,7 @@ class DrafterLink:
         except STREAM_FAILURES as error:
             self._down(f"round failed: {describe(error)}")
             return DraftRound({}, round_trip_s=time.perf_counter() - started)
-        return SentRound(messages, started, catch_up, lookup_only)
+        return SentRound(messages, started, catch_up, lookup_only, prompt)
 
     async def replies(self, sent: SentRound | DraftRound) -> DraftRound:
         """The second half of `draft`: the trees the drafter answered `send`'s messages with."""
@@ -266,7 +271,13 @@ class DrafterLink:
         except STREAM_FAILURES as error:
             self._down(f"round failed: {describe(error)}")
             return DraftRound({}, round_trip_s=time.perf_counter() - sent.started)  # the wait counts all the same
-        return DraftRound(trees, propose_s, time.perf_counter() - sent.started, sent.messages, replies, sent.catch_up)
+        return DraftRound(trees, propose_s, time.perf_counter() - sent.started, sent.messages, replies, sent.catch_up,
+                          sent.prompt)
+
+    @property
+    def _contexts_sent(self) -> dict[str, int]:
+        """The requests whose contexts the drafter has for its own trees: their rows, for one that takes features."""
+        return self.rows_sent if self.feature_layer_ids else self.sent
 
     def _catches_up(self, request_id: str, generation, lookup_only: bool) -> bool:
         """Whether the request's item carries more than its last round's: tokens, or for the drafter's own tree
