@@ -351,3 +351,12 @@ def test_policy_replay_prices_fixed_trees_and_replays_the_policy(tmp_path):
     assert rows["fixed 32"]["speedup"] == 1.5 and rows["fixed 32"]["rounds"] == {"32": 40}
     adaptive = rows["adaptive, decay 0.02"]
     assert adaptive["rounds"].get("0", 0) <= 8 and 1.3 < adaptive["speedup"] <= 1.5
+    # A request's first tree costs 10 ms more (its prompt): 120 tokens in 40 rounds of 2 ms and 40 ms of prompts.
+    # Trees that must promise twice plain decoding's rate are played on first tries alone.
+    assert main(["--positions", str(positions), "--decays", "0.02", "--margins", "1.0,2.0", "--plain-ms", "1",
+                 "--tree-extra-ms", "0.5", "--draft-ms", "0.5", "--catch-up-ms", "0", "--prompt-ms", "10",
+                 "--out", str(out)]) == 0
+    rows = {row["policy"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["fixed 32"]["speedup"] == 1.0
+    at_par, at_twice = rows["adaptive, decay 0.02, margin 1.0"], rows["adaptive, decay 0.02, margin 2.0"]
+    assert at_par["rounds"].get("0", 0) <= 8 and at_twice["rounds"]["0"] > 80

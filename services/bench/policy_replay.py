@@ -4,7 +4,8 @@ First, per prompt of a set and per position p of its greedy answer (SmolLM2, flo
 there would emit with the shipped merged drafter's own tree at each budget (--budgets) and with prompt lookup's alone (1 + the deepest tree
 path the answer continues; no target forward per position: the answer is known). That record (--positions FILE,
 made once and reused: it takes about 20 s a prompt on two cores) is then replayed, one request after another, under
-fixed budgets and under adaptive speculation at each acceptance memory (--decays), with a round's cost made of
+fixed budgets and under adaptive speculation at each acceptance memory (--decays) and, with --margins, each margin
+a tree must promise over plain decoding (AdaptiveSpeculation.MARGIN), with a round's cost made of
 the parts given in ms (--plain-ms, --tree-extra-ms, --draft-ms, --lookup-ms, --catch-up-ms, --prompt-ms: by
 default what one H100 measured for SmolLM2 through the three services, a request's first tree priced as any
 catch-up). Reports tokens per second over plain decoding's for each, and the rounds by choice: where the policy's
@@ -149,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", type=int_list, default=[8, 16, 32], help="comma-separated (default 8,16,32)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--decays", default="0.05,0.02", help="adaptive speculation's acceptance decays to replay")
+    parser.add_argument("--margins", default="", help="comma-separated margins to replay (default: the policy's own)")
     parser.add_argument("--plain-ms", type=float, default=1.05)
     parser.add_argument("--tree-extra-ms", type=float, default=0.46)
     parser.add_argument("--draft-ms", type=float, default=0.76)
@@ -157,10 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-ms", type=float, default=0.0)
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     args = parser.parse_args(argv)
-    try:
-        decays = [float(decay) for decay in args.decays.split(",") if decay.strip()]
-    except ValueError:
-        parser.error(f"--decays: comma-separated numbers, not {args.decays!r}")
+    numbers = {}
+    for flag in ("decays", "margins"):
+        try:
+            numbers[flag] = [float(value) for value in getattr(args, flag).split(",") if value.strip()]
+        except ValueError:
+            parser.error(f"--{flag}: comma-separated numbers, not {getattr(args, flag)!r}")
     if args.positions.exists():
         positions = json.loads(args.positions.read_text())
     else:
@@ -175,11 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     for budget in sorted(int(b) for b in positions[0]["own"]):
         speedup, rounds = replay(positions, costs, fixed_budget=budget)
         rows.append({"policy": f"fixed {budget}", "speedup": round(speedup, 3), "rounds": rounds})
-    for decay in decays:
-        speedup, rounds = replay(positions, costs, functools.partial(AdaptiveSpeculation, decay=decay))
-        rows.append({"policy": f"adaptive, decay {decay}", "speedup": round(speedup, 3), "rounds": rounds})
+    for decay in numbers["decays"]:
+        for margin in numbers["margins"] or [None]:
+            policy = AdaptiveSpeculation if margin is None else type(
+                "ReplayedSpeculation", (AdaptiveSpeculation,), {"MARGIN": margin})
+            speedup, rounds = replay(positions, costs, functools.partial(policy, decay=decay))
+            label = f"adaptive, decay {decay}" + ("" if margin is None else f", margin {margin}")
+            rows.append({"policy": label, "speedup": round(speedup, 3), "rounds": rounds})
     for row in rows:
-        print(f"{row['policy']:>24}: {row['speedup']:.3f}x plain decoding  rounds {row['rounds']}")
+        print(f"{row['policy']:>36}: {row['speedup']:.3f}x plain decoding  rounds {row['rounds']}")
     if args.out:
         command = " ".join(["python -m treeserve.bench.policy_replay", *(argv if argv is not None else sys.argv[1:])])
         costs_ms = {part: getattr(args, f"{part}_ms")
