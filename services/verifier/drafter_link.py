@@ -239,22 +239,21 @@ class DrafterLink:
         Returns what `replies` waits on, or the DraftRound of a link that is down or failed."""
         if not self.up:
             return DraftRound({})
-        started = time.perf_counter()  # (a wait for send_rows' answers is the drafter's too)
+        began = time.perf_counter()
         try:
             await self._read_answers_to_rows()
-        except STREAM_FAILURES as error:
-            self._down(f"round failed: {describe(error)}")
-            return DraftRound({}, round_trip_s=time.perf_counter() - started)
-        catch_up = any(self._catches_up(request_id, generation, lookup_only)
-                       for request_id, generation in requests.items())
-        prompt = not lookup_only and any(request_id not in self._contexts_sent for request_id in requests)
-        messages = self._messages(requests, trace_contexts, budgets or {}, lookup_only)
-        try:
+            waited = time.perf_counter() - began
+            catch_up = any(self._catches_up(request_id, generation, lookup_only)
+                           for request_id, generation in requests.items())
+            prompt = not lookup_only and any(request_id not in self._contexts_sent for request_id in requests)
+            messages = self._messages(requests, trace_contexts, budgets or {}, lookup_only)
+            # The round trip runs from the first write, and a wait for send_rows' answers is the drafter's too.
+            started = time.perf_counter() - waited
             for message in messages:  # all written first: the drafter works through them while the rest travel
                 await self.call.write(message)
         except STREAM_FAILURES as error:
             self._down(f"round failed: {describe(error)}")
-            return DraftRound({}, round_trip_s=time.perf_counter() - started)
+            return DraftRound({}, round_trip_s=time.perf_counter() - began)
         return SentRound(messages, started, catch_up, lookup_only, prompt)
 
     async def replies(self, sent: SentRound | DraftRound) -> DraftRound:
