@@ -572,7 +572,8 @@ def test_rows_read_in_place_from_the_region_or_kept_for_later_are_the_ones_sent(
         drafter = MergedDrafter(random_dflash_drafter(target.model, "ddtree"))
         mapped = MappedRegion(region.path) if region is not None else None
         sent, trees = 0, []
-        with DrafterServicer(drafter).stream() as (answer, write_ahead):
+        servicer = DrafterServicer(drafter)
+        with servicer.stream() as answer:
             for round_, (tokens, count, lookup_only) in enumerate(rounds, 1):
                 item = drafter_pb2.DraftItem(request_id="a", new_token_ids=tokens, budget=4, lookup_only=lookup_only)
                 part = rows[sent:sent + count]
@@ -585,7 +586,7 @@ def test_rows_read_in_place_from_the_region_or_kept_for_later_are_the_ones_sent(
                 reply = answer(drafter_pb2.DraftRequest(round=round_, items=[item]), mapped)
                 trees.append([(list(tree.token_ids), list(tree.parents)) for tree in reply.trees])
                 if ahead:
-                    write_ahead()
+                    servicer.write_ahead()
                     assert drafter.dflash.unwritten == {}
                 if region is not None:
                     region.bytes.fill_(0x7F)  # the verifier's next round, writing over this one's rows

@@ -165,7 +165,7 @@ def measure_cell(target, kind: str, batch: int, args) -> dict:
     ids = [f"r{i}" for i in range(batch)]
     new_tokens = {request_id: prompt() for request_id in ids}
     try:
-        with servicer.stream() as (answer, _):  # (every item asks for a tree: nothing to write ahead)
+        with servicer.stream() as answer:
             for turn in range(rounds):
                 region.clear()
                 request = drafter_pb2.DraftRequest(round=turn)

@@ -173,8 +173,8 @@ class Drafter(Protocol):
         """The request is over: free what its context holds beyond Python objects (pool blocks)."""
         ...
 
-    # A drafter with feature_layer_ids also has write_context(contexts): the feature rows its contexts took
-    # without a tree are written now rather than before their next tree (DrafterServicer calls it between rounds).
+    # A drafter with feature_layer_ids also has write_context(): the feature rows its contexts took without a tree
+    # are written now rather than before their next tree (DrafterServicer calls it between rounds).
 
 
 class TokenContext:

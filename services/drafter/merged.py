@@ -47,9 +47,9 @@ class MergedDrafter:
     def release(self, context: MergedContext) -> None:
         self.dflash.release(context.dflash)
 
-    def write_context(self, contexts: list[MergedContext]) -> None:
+    def write_context(self) -> None:
         """Write the DFlash contexts' feature rows that wait for their next block forward, now."""
-        self.dflash.write_context([context.dflash for context in contexts])
+        self.dflash.write_context()
 
     def rows_wanted(self, context: MergedContext, new_tokens: int = 0) -> int:
         """Feature rows the DFlash context lacks once `new_tokens` more tokens join."""

@@ -75,14 +75,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if self.drafter is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is still loading")
         log.debug("draft stream opened by %s", context.peer())
-        with self.stream() as (answer, write_ahead):
+        with self.stream() as answer:
             async for request in request_iterator:  # (no feature region over gRPC)
                 try:
                     response = answer(request)
                 except TreeserveError as error:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"round {request.round}: {error}")
                 yield response
-                write_ahead()
+                self.write_ahead()
 
     async def serve_frames(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """The Draft stream of a verifier on this host, over the socket beside the gRPC one (treeserve.framing):
@@ -92,7 +92,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         try:
             if self.drafter is None:
                 raise TreeserveError("the drafter is still loading")
-            with self.stream() as (answer, write_ahead):
+            with self.stream() as answer:
                 while (frame := await framing.read_frame(reader)) is not None:
                     if frame[0] == framing.REGION:
                         region, why_not = self.map_region(frame[1], region)
@@ -104,7 +104,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                         except TreeserveError as error:
                             raise TreeserveError(f"round {request.round}: {error}") from None
                         framing.write_frame(writer, response.SerializeToString())
-                        write_ahead()  # (the answer is on its way: the socket took it)
+                        self.write_ahead()  # (the answer is on its way: the socket took it)
                     await writer.drain()
         finally:
             if region is not None:
@@ -126,35 +126,24 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     def stream(self):
         """One Draft stream's state, through whichever door it came: yields its `answer(request, region=None) ->
         response` (region: the stream's feature region; TreeserveError for a bad round, which leaves every context
-        as it was) and `write_ahead()`, called once an answer is on its way. The stream's contexts are freed when
-        it ends."""
+        as it was). The stream's contexts are freed when it ends."""
         contexts: dict[str, DraftContext] = {}  # request_id -> its draft context, this stream only
         dropped: set[str] = set()  # requests whose context did not fit: no trees for them, until they finish
-        rows_without_tree: list[tuple[str, DraftContext]] = []  # (request id, context) took rows, drafted no tree
         self.metrics.streams.inc()
 
         def answer(request: drafter_pb2.DraftRequest, region: MappedRegion | None = None) -> drafter_pb2.DraftResponse:
             started, held = time.perf_counter(), len(contexts)
             reply = drafter_pb2.DraftResponse(round=request.round)
             with self.round_traces.round():
-                rows_without_tree.extend(self.draft_round(request, contexts, dropped, reply.trees, region))
+                self.draft_round(request, contexts, dropped, reply.trees, region)
             reply.propose_seconds = elapsed = time.perf_counter() - started
             self.metrics.contexts.inc(len(contexts) - held)
             self.metrics.rounds.inc()
             self.metrics.propose_seconds.observe(elapsed)
             return reply
 
-        def write_ahead() -> None:
-            """Write the feature rows that came without a tree (a verifier keeps its requests' contexts current
-            through rounds it decodes plainly) while no tree waits on it: a later tree then finds them written,
-            not all of them to write before its block forward."""
-            waiting = [context for request_id, context in rows_without_tree if contexts.get(request_id) is context]
-            rows_without_tree.clear()
-            if waiting:
-                self.drafter.write_context(waiting)
-
         try:
-            yield answer, write_ahead
+            yield answer
         finally:
             log.debug("draft stream closed, dropping %d contexts", len(contexts))
             for held_context in contexts.values():
@@ -162,16 +151,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             self.metrics.streams.dec()
             self.metrics.contexts.dec(len(contexts))
 
+    def write_ahead(self) -> None:
+        """Write the feature rows that came without a tree (a verifier keeps its requests' contexts current
+        through rounds it decodes plainly), once an answer is on its way and no tree waits on it: a later tree then
+        finds them written, not all of them to write before its block forward."""
+        if self.drafter.feature_layer_ids:
+            self.drafter.write_context()
+
     def draft_round(self, request: drafter_pb2.DraftRequest, contexts: dict[str, DraftContext], dropped: set[str],
-                    replies, region: MappedRegion | None = None) -> list[tuple[str, DraftContext]]:
+                    replies, region: MappedRegion | None = None) -> None:
         """The round's trees, added to `replies` (a DraftResponse's trees: built in place, not built apart and
-        copied in); returns the (request id, context) of items that brought feature rows but asked for no tree
-        of the drafter's own model."""
+        copied in)."""
         # Check every item before touching any context, so a rejected round leaves none half-updated.
         started, seen = time.perf_counter(), set()
         features = [self.check_item(item, contexts, dropped, seen, region) for item in request.items]
         asking: list[tuple[drafter_pb2.DraftItem, DraftContext]] = []
-        rows_without_tree: list[tuple[str, DraftContext]] = []
         for item, item_features in zip(request.items, features):
             if item.finished:
                 finished = contexts.pop(item.request_id, None)
@@ -193,10 +187,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 continue
             if item.budget > 0:
                 asking.append((item, context))
-            if item_features is not None and (item.budget == 0 or item.lookup_only):
-                rows_without_tree.append((item.request_id, context))
         if not asking:
-            return rows_without_tree
+            return
         if log.isEnabledFor(logging.DEBUG):
             log.debug("round %d: %d items checked and their contexts extended in %.3f ms", request.round,
                       len(request.items), (time.perf_counter() - started) * 1e3)
@@ -212,7 +204,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 spans[item.request_id].end()
             replies.add(request_id=item.request_id, token_ids=tree.tokens, parents=tree.parents,
                         lookup_nodes=tree.lookup_nodes or 0)
-        return rows_without_tree
 
     def propose(self, asking: list[tuple[drafter_pb2.DraftItem, DraftContext]]) -> list[DraftTree]:
         """The items' trees, in order: the drafter's own, or prompt lookup's alone for those that ask for it."""
