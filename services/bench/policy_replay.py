@@ -5,7 +5,7 @@ there would emit with the shipped merged drafter's own tree at each budget (--bu
 path the answer continues; no target forward per position: the answer is known). That record (--positions FILE,
 made once and reused: it takes about 20 s a prompt on two cores) is then replayed, one request after another, under
 fixed budgets and under adaptive speculation at each acceptance memory (--decays) and, with --margins, each margin
-a tree must promise over plain decoding (AdaptiveSpeculation.MARGIN), with a round's cost made of
+a tree must promise over plain decoding (AdaptiveSpeculation.LONE_MARGIN), with a round's cost made of
 the parts given in ms (--plain-ms, --tree-extra-ms, --draft-ms, --lookup-ms, --catch-up-ms, --prompt-ms: by
 default what one H100 measured for SmolLM2 through the three services, a request's first tree priced as any
 catch-up). Reports tokens per second over plain decoding's for each, and the rounds by choice: where the policy's
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     for decay in numbers["decays"]:
         for margin in numbers["margins"] or [None]:
             policy = AdaptiveSpeculation if margin is None else type(
-                "ReplayedSpeculation", (AdaptiveSpeculation,), {"MARGIN": margin})
+                "ReplayedSpeculation", (AdaptiveSpeculation,), {"MARGIN": margin, "LONE_MARGIN": margin})
             speedup, rounds = replay(positions, costs, functools.partial(policy, decay=decay))
             label = f"adaptive, decay {decay}" + ("" if margin is None else f", margin {margin}")
             rows.append({"policy": label, "speedup": round(speedup, 3), "rounds": rounds})

@@ -13,10 +13,11 @@ speculating request drafts min(T, its own budget), and
     T = argmax  (batch + c(batch) * sum_i (E_i(min(T, budget_i)) - 1))
                 / (draft_time(batch, T) + verify_time(batch, T + 1 nodes)),
 
-plain decoding (T = 0) kept unless the best tree promises MARGIN times its tokens a second. c(batch) scales the
-acceptance model by what speculative rounds at that batch bucket really drafted over what it expected of them. At a
-batch of more than one request, a tree round after plain rounds (which catches every request's drafter context up)
-is priced the same way, by what such rounds took there over their estimates.
+plain decoding (T = 0) kept unless the best tree promises MARGIN times its tokens a second (in a batch; a lone
+request's, LONE_MARGIN). c(batch) scales the acceptance model by what speculative rounds at that batch bucket really
+drafted over what it expected of them. At a batch of more than one request, a tree round after plain rounds (which
+catches every request's drafter context up) is priced the same way, by what such rounds took there over their
+estimates.
 
 A drafter that also drafts by prompt lookup alone (the merged drafter: `DrafterLink.lookup_trees`) offers each
 budget twice: its own tree, or lookup's, which costs no model forward and so can pay at batches where the
@@ -476,10 +477,15 @@ class AdaptiveSpeculation:
     # (PLAIN_AGING), and working it out is a visible part of a small target's round. Not the same batch: at a large
     # one, a request finishes or joins most rounds.
     REUSE_PLAIN = 8
-    # A tree must promise this much more than plain decoding to be chosen (and for drafting to count as paying):
-    # the choice takes the best of noisy estimates, so the chosen tree's is the likeliest to read high, and a round
-    # of trees also costs what no estimate here holds (a drafter's catch-up, trees in rounds with prompts).
+    # In a batch, a tree must promise this much more than plain decoding to be chosen (and for drafting to count as
+    # paying): the choice takes the best of noisy estimates over many requests and sources, so the chosen tree's is
+    # the likeliest to read high, and a round of trees also costs what no estimate here holds (every request's
+    # drafter catch-up, new requests' prompts joining its trees).
     MARGIN = 1.05
+    # A lone request's trees need promise no more than plain decoding's tokens a second: its catch-ups are rows sent
+    # ahead (send_lagging_rows), its first tree prices nothing, and its costs are its own rounds, played in runs.
+    # A margin there would only turn it plain where its trees pay.
+    LONE_MARGIN = 1.0
     # In each plain round, a speculating request's own acceptance evidence counts this much less: by the time a
     # plain decision is worked out again (REUSE_PLAIN rounds on), a request that has just missed is back at about
     # the all-request slope, and is tried again where that pays. A request that has just missed a few times says
@@ -619,12 +625,13 @@ class AdaptiveSpeculation:
         best = max(rates, key=lambda key: (rates[key], -key[1]))  # ties: the smaller tree
         plain = (False, 0)
         if plain in rates:
-            if rates[best] < self.MARGIN * rates[plain]:
+            margin = self.LONE_MARGIN if batch == 1 else self.MARGIN
+            if rates[best] < margin * rates[plain]:
                 best = plain
             # Would the drafter's own trees pay were every request drafting, as the drafting ones do? (What a
             # request that could draft costs in plain rounds, its kept features, is for those trees alone.)
             everyone = batch / len(asked)
-            pays = any((batch + gained[key] * everyone) / seconds[key] > self.MARGIN * rates[plain]
+            pays = any((batch + gained[key] * everyone) / seconds[key] > margin * rates[plain]
                        for key in rates if key[1] > 0 and not key[0])
             self.give_up.note(batch, None if pays else seconds[plain] * (1 + reused))
         if log.isEnabledFor(logging.DEBUG):
