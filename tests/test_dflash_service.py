@@ -533,6 +533,29 @@ def test_a_feature_region_that_cannot_be_mapped_is_declined_and_rows_out_of_it_a
     assert over_grpc.code() == grpc.StatusCode.INVALID_ARGUMENT and "this stream has none" in over_grpc.details()
 
 
+def test_rows_placed_in_a_feature_region_read_back_as_written():
+    """The verifier writes each item's rows, in parts, at aligned offsets one item after another; the drafter's
+    mapping reads them back bit for bit, whatever the dtype (bfloat16 has no NumPy twin) or the parts' layout."""
+    region = feature_region.FeatureRegion(1 << 20)
+    mapped = feature_region.MappedRegion(region.path)
+    region.unlink()
+    try:
+        items = [[torch.randn(3, 12).to(torch.bfloat16)],
+                 [torch.randn(2, 7), torch.randn(7, 4).T, torch.randn(1, 7)],  # (a transposed part: not contiguous)
+                 [torch.randn(5, 12).to(torch.bfloat16)[::2]]]
+        placed = [region.place(parts) for parts in items]
+        assert [p.offset % feature_region.ALIGNMENT for p in placed] == [0, 0, 0]
+        for parts, where in zip(items, placed):
+            read = mapped.rows(where.offset, where.shape, where.dtype)
+            assert read.dtype == parts[0].dtype and torch.equal(read, torch.cat(parts))
+        region.clear()
+        assert region.place([torch.zeros(1, 12)]).offset == 0  # a new round writes from the start
+        assert region.place([torch.zeros(1 << 17, 4)]) is None  # rows that do not fit: written nowhere
+    finally:
+        mapped.close()
+        region.close()
+
+
 def test_a_feature_region_takes_what_room_dev_shm_has(monkeypatch):
     """Its pages are reserved as it is made (a write past what /dev/shm holds would kill the process): where there
     is no room for the size asked, half of it, and so on down to the smallest worth having; else none."""
@@ -589,7 +612,7 @@ def test_rows_read_in_place_from_the_region_or_kept_for_later_are_the_ones_sent(
                     servicer.write_ahead()
                     assert drafter.dflash.unwritten == {}
                 if region is not None:
-                    region.bytes.fill_(0x7F)  # the verifier's next round, writing over this one's rows
+                    region.array.fill(0x7F)  # the verifier's next round, writing over this one's rows
             pool = drafter.dflash.pool.data.clone()
         if mapped is not None:
             mapped.close()

@@ -4,9 +4,10 @@ One process loads the target (on the CPU) and a verifier whose runner stages eve
 graphs: padded to its (batch, tree size) bucket and copied into the bucket's static inputs, where the replay
 itself is a stub that computes nothing. For each budget (0: plain rounds) and batch, that many requests are
 prefilled with random prompts of --context tokens, then take rounds the way the verifier's `speculative_round`
-takes them, each phase timed on its own: the DraftTree objects made from the drafter's reply (`trees`), the kept
-target features' rows for the Draft messages (`features`: the host copies of the last round's drafted trees, and
-rows gathered from the pool where a round before was plain), the plans (`plan`), the forward's host work (`forward`:
+takes them, each phase timed on its own: the DraftTree objects made from the drafter's reply (`trees`), the
+round's Draft message as DrafterLink builds it (`messages`: the kept target features' rows, from the host copies of
+the last round's drafted trees and from the pool where a round before was plain, written to a feature region as for
+a drafter on this host, and the message's items), the plans (`plan`), the forward's host work (`forward`:
 bucket, staging, copies into the static inputs, the outputs' rows), the commit (`commit`: the walk, the stop
 checks, the KV kept, the features kept) and the emit (`emit`: the stream's messages and the round's report).
 
@@ -39,7 +40,7 @@ from treeserve.bench import host_work_rows, print_report
 from treeserve.errors import TreeserveError
 from treeserve.settings import OneLineErrorParser
 
-PHASES = ("trees", "features", "plan", "forward", "commit", "emit")
+PHASES = ("trees", "messages", "plan", "forward", "commit", "emit")
 BLOCK_POSITIONS = 15  # drafted positions of a DFlash block (the shipped drafter's block_size 16, minus the root)
 
 
@@ -193,18 +194,28 @@ def timed_rounds(model, verifier, generations: list, copies, trees: list, layers
                  rng: random.Random, args) -> tuple[dict[str, list[float]], list[float]]:
     """The rounds, as `speculative_round` takes them: each timed round's microseconds by phase (and in all), and
     its mean accepted nodes a request."""
+    from treeserve.feature_region import FeatureRegion
+    from treeserve.tree import MAX_BUDGET
     from treeserve.v1 import drafter_pb2, verifier_pb2
     from treeserve.verifier import round as rounds
     from treeserve.verifier.drafter_link import DrafterLink
-    from treeserve.verifier.engine import commit_round, forward_batch, kept_feature_rows
+    from treeserve.verifier.engine import commit_round, forward_batch
 
     vocab, batch = model.config.vocab_size, len(generations)
-    link = types.SimpleNamespace(lookup_trees=True)  # a merged drafter's: its trees say how long their lookup chain is
+    # A merged drafter's link on this host (its trees say how long their lookup chain is), never connected: the
+    # messages are built, not sent. (Its channel wants an event loop to be made in.)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    link = DrafterLink("unix:///nowhere.sock", timeout_s=1.0)
+    link.lookup_trees, link.max_budget, link.feature_layer_ids = True, MAX_BUDGET, tuple(layers)
+    link.region = FeatureRegion.create(64 << 20) if layers else None
+    if link.region is not None:
+        link.region.unlink()
     outboxes = [asyncio.Queue() for _ in generations]
     ids = [f"r{i}" for i in range(batch)]
+    requests = dict(zip(ids, generations))
     samples: dict[str, list[float]] = {phase: [] for phase in (*PHASES, "total")}
     accepted = []
-    rows_sent = [0] * batch  # as a DrafterLink counts them
     for turn in range(args.warm_up + args.rounds):
         reply = drafter_pb2.DraftResponse(round=turn)
         for i, generation in enumerate(generations if trees else ()):
@@ -212,12 +223,11 @@ def timed_rounds(model, verifier, generations: list, copies, trees: list, layers
             reply.trees.add(request_id=ids[i], token_ids=[generation.output_ids[-1]] + tokens[1:], parents=parents)
         reply = drafter_pb2.DraftResponse.FromString(reply.SerializeToString())  # as it comes off the stream
         started = time.perf_counter()
-        found = {tree.request_id: DrafterLink._tree(link, tree, False) for tree in reply.trees}
+        found = {tree.request_id: link._tree(tree, False) for tree in reply.trees}
         built = time.perf_counter()
-        if trees and layers:
+        if trees:
             copies.wait()
-            kept_feature_rows(generations, rows_sent)
-            rows_sent = [generation.cache.length for generation in generations]
+            link._messages(requests, {}, {request_id: len(tree.tokens) - 1 for request_id, tree in found.items()})
         flushed = time.perf_counter()
         plans = [rounds.plan(ids[i], generation, found.get(ids[i])) for i, generation in enumerate(generations)]
         planned = time.perf_counter()
@@ -245,12 +255,17 @@ def timed_rounds(model, verifier, generations: list, copies, trees: list, layers
             raise TreeserveError("a request finished before its rounds did")
         if turn < args.warm_up:
             continue
-        times = {"trees": built - started, "features": flushed - built, "plan": planned - flushed,
+        times = {"trees": built - started, "messages": flushed - built, "plan": planned - flushed,
                  "forward": forwarded - planned, "commit": done - picked, "emit": emitted - done}
         times["total"] = sum(times.values())
         for phase, seconds in times.items():
             samples[phase].append(seconds * 1e6)
         accepted.append(statistics.mean(request.accepted for request in report.requests))
+    if link.region is not None:
+        link.region.close()
+    loop.run_until_complete(link.channel.close())
+    asyncio.set_event_loop(None)
+    loop.close()
     return samples, accepted
 
 

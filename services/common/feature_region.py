@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
+
 from treeserve.errors import TreeserveError
 
 if TYPE_CHECKING:
@@ -48,8 +50,6 @@ class FeatureRegion:
     def __init__(self, size: int):
         """Raises OSError where /dev/shm has no room for `size` bytes. Its pages are reserved here: a write to a
         sparse file past what /dev/shm can hold would kill the process (SIGBUS) instead of failing."""
-        import torch  # here, not at the top: a drafter without features runs without torch
-
         fd, self.path = tempfile.mkstemp(prefix=FILE_PREFIX, dir=SHARED_MEMORY_DIR)
         try:
             os.posix_fallocate(fd, 0, size)
@@ -60,7 +60,9 @@ class FeatureRegion:
             raise
         os.close(fd)
         self.size, self.used = size, 0
-        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+        # The mapping's bytes, sliced and written through NumPy: a round writes a few rows a request, and torch's
+        # calls on so few (a slice, views, a copy) cost more than the copy itself, on the round's path.
+        self.array = np.frombuffer(self.map, dtype=np.uint8)
 
     @classmethod
     def create(cls, size: int) -> "FeatureRegion | None":
@@ -89,13 +91,13 @@ class FeatureRegion:
         end = start + rows * width * dtype.itemsize
         if end > self.size:
             return None
-        into = self.bytes[start:end].view(dtype).view(rows, width)
-        if len(parts) == 1:
-            into.copy_(parts[0])
-        else:
-            import torch
+        import torch  # here, not at the top: a drafter without features runs without torch
 
-            torch.cat(parts, out=into)
+        offset = start
+        for part in parts:  # each part's bytes, as NumPy takes any torch dtype's (bfloat16's too)
+            part_bytes = (part if part.is_contiguous() else part.contiguous()).view(torch.uint8).numpy()
+            self.array[offset:offset + part_bytes.size] = part_bytes.reshape(-1)
+            offset += part_bytes.size
         self.used = end
         return PlacedRows(start, (rows, width), dtype)
 
@@ -105,7 +107,7 @@ class FeatureRegion:
 
     def close(self) -> None:
         self.unlink()
-        del self.bytes
+        del self.array
         self.map.close()
 
 
@@ -129,9 +131,7 @@ class MappedRegion:
             raise TreeserveError(f"cannot map the feature region {path}: {error}") from None
         finally:
             os.close(fd)
-        import torch
-
-        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.array = np.frombuffer(self.map, dtype=np.uint8)  # (as FeatureRegion's)
 
     def rows(self, offset: int, shape: tuple[int, int], dtype: torch.dtype, copy: bool = True) -> torch.Tensor:
         """The rows at `offset`: a copy, or with `copy=False` a view of the region, which the verifier writes again
@@ -140,11 +140,13 @@ class MappedRegion:
         if offset % ALIGNMENT or end > self.size:
             raise TreeserveError(f"features at bytes {offset}..{end} of a feature region of {self.size} bytes "
                                  f"(offsets are multiples of {ALIGNMENT})")
-        rows = self.bytes[offset:end].view(dtype).view(shape)
+        import torch
+
+        rows = torch.from_numpy(self.array[offset:end]).view(dtype).view(shape)
         return rows.clone() if copy else rows
 
     def close(self) -> None:
-        del self.bytes
+        del self.array
         try:
             self.map.close()
         except BufferError:  # a view of it still lives (a stream that ended mid-round): unmapped with the last one

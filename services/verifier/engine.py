@@ -270,14 +270,16 @@ def kept_feature_rows(generations: list["Generation"], starts: list[int]) -> lis
         copied.append(recent[max(0, start - features.recent_start):] if recent is not None else None)
     from_pool = pool.feature_rows(np.concatenate(slots)).split(pooled) if slots else [None] * len(generations)
     present = [rows for rows in copied if rows is not None and len(rows)]
-    joined = iter(gather(present).split([len(rows) for rows in present]) if present else ())
-    empty = pool.features.new_empty(0, pool.features.shape[1], device="cpu")
+    if len(present) > 1:
+        joined = iter(gather(present).split([len(rows) for rows in present]))
+    else:  # (a lone request's steady round: no split, which as any torch call costs more than so few rows do)
+        joined = iter([gather(present)] if present else ())
     found = []
     for pool_rows, host_rows in zip(from_pool, copied):
         parts = [pool_rows] if pool_rows is not None and len(pool_rows) else []
         if host_rows is not None and len(host_rows):
             parts.append(next(joined))
-        found.append(parts or [empty])
+        found.append(parts or [pool.features.new_empty(0, pool.features.shape[1], device="cpu")])
     return found
 
 
