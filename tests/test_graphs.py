@@ -233,6 +233,13 @@ def test_inputs_reach_their_bucket_in_one_copy():
                             [target.tokens, target.positions, *target.paged.tensors()]):
         assert torch.equal(mine, theirs)
     assert (target.paged.slots >= 0).sum() == 5 and target.paged.new_counts.tolist() == [3, 2]
+    # The next forward staged in the same buffer reaches the same target, and another target, whole.
+    staged.tokens.add_(7)
+    other = padded_rows(2, 4, 6)
+    for into in (target, other, target):
+        staged.copy_into(into)
+        assert torch.equal(into.packed[:staged.packed_bytes], staged.packed[:staged.packed_bytes])
+    assert torch.equal(target.tokens, staged.tokens)
 
 
 def test_graphs_need_a_gpu():

@@ -75,6 +75,9 @@ class TreeRows:
     positions: torch.Tensor  # (batch * rows,) int64
     paged: PagedInputs
     packed: torch.Tensor | None = None  # uint8, at least packed_bytes long
+    # (target, its bytes, these bytes) of the last copy_into: a runner copies a staging view into its bucket's
+    # static inputs every forward, and slicing both buffers anew each time is two torch calls on the round's path.
+    copy_views: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -100,11 +103,14 @@ class TreeRows:
     def copy_into(self, target: "TreeRows") -> None:
         """Copy these inputs into `target`, of the same (batch, rows), in one copy (asynchronous from page-locked
         memory to a GPU)."""
-        size = self.packed_bytes
-        if self.tokens.shape != target.tokens.shape or size != target.packed_bytes:
-            raise TreeserveError(f"graph input of {self.tokens.shape[0]} rows ({size} bytes) for a bucket of "
-                                 f"{target.tokens.shape[0]} rows ({target.packed_bytes} bytes)")
-        target.packed[:size].copy_(self.packed[:size], non_blocking=True)
+        views = self.copy_views
+        if views is None or views[0] is not target:
+            size = self.packed_bytes
+            if self.tokens.shape != target.tokens.shape or size != target.packed_bytes:
+                raise TreeserveError(f"graph input of {self.tokens.shape[0]} rows ({size} bytes) for a bucket of "
+                                     f"{target.tokens.shape[0]} rows ({target.packed_bytes} bytes)")
+            views = self.copy_views = (target, target.packed[:size], self.packed[:size])
+        views[1].copy_(views[2], non_blocking=True)
 
 
 def packed_size(batch: int, rows: int, table_width: int) -> int:
