@@ -290,6 +290,8 @@ class RoundInputs:
             part.numpy() for part in host_longs.split([max_batch, rows, rows]))
         self.host_features = host[self.longs_bytes:].view(dtype).view(rows, feature_size)
         self.unsettled = False  # a copy in is queued that the device may not have made yet
+        # bytes copied -> (the device's, the host's) views of them, made once each (as TreeRows.copy_views)
+        self.copy_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def settled(self) -> None:
         """The device has done all the work queued so far: the caller waited for it."""
@@ -318,7 +320,10 @@ class RoundInputs:
                 self.features[:rows] = torch.cat([f.to(self.features.device) for f in features])
         if self.on_gpu:
             used = self.longs_bytes + (rows * self.row_bytes if features and on_host else 0)
-            self.buffer[:used].copy_(self.host[:used], non_blocking=True)
+            views = self.copy_views.get(used)
+            if views is None:
+                views = self.copy_views[used] = (self.buffer[:used], self.host[:used])
+            views[0].copy_(views[1], non_blocking=True)
             self.unsettled = True
 
 
