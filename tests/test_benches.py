@@ -118,9 +118,13 @@ def test_transformers_baseline_on_the_cpu(tmp_path, fmt):
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_draft_profile_on_the_cpu(tmp_path):
-    """The DFlash round profile, one round of one request with the shipped drafter: every step timed, and its
-    proposals traced."""
+    """The DFlash round profile, one round of one request with the shipped drafter: every step timed, its host
+    steps split (and their functions unwrapped after), and its proposals traced."""
     from treeserve.bench.draft_profile import DEVICE_STEPS, LAUNCH_STEPS, STEPS, main
+    from treeserve.drafter.dflash import RoundInputs
+    from treeserve.models import graphs
+
+    originals = (RoundInputs.stage, graphs._stage_into, graphs.TreeRows.copy_into)
 
     out = tmp_path / "profile.json"
     assert main(["--device", "cpu", "--dtype", "float32", "--batches", "1", "--max-budgets", "8", "--budget", "8",
@@ -131,6 +135,9 @@ def test_draft_profile_on_the_cpu(tmp_path):
     assert (row["max_budget"], row["batch"]) == (8, 1)
     assert all(row["ms"][step] > 0 for step in STEPS)
     assert all(row["ms"][step] == 0.0 for step in DEVICE_STEPS + LAUNCH_STEPS)
+    split = row["ms"]
+    assert 0 < split["split_inputs_stage"] + split["split_rows_stage"] < split["split_propose"]
+    assert (RoundInputs.stage, graphs._stage_into, graphs.TreeRows.copy_into) == originals
     timeline = row["ms"]["timeline"]  # (on the CPU, no device work)
     assert timeline["rounds"] == 3 and timeline["host_ms"] > 0 and timeline["device_busy_ms"] == 0
     assert (tmp_path / "traces" / "trace-max8-batch1.json.gz").is_file()

@@ -29,6 +29,16 @@ from treeserve.errors import TreeserveError
 STEPS = ("extend", "propose_merged", "propose", "block_and_trees", "trees_to_host")
 DEVICE_STEPS = ("block_device", "search_device", "search_device_widest")  # replays, timed on the GPU
 LAUNCH_STEPS = ("block_launch", "search_launch", "search_launch_widest")  # the same replays' calls, on the host
+# Host steps of a DFlash proposal, each timed where it is called: (step, owner, attribute) of the wrapped function.
+SPLIT_STEPS = (
+    ("split_inputs_stage", "treeserve.drafter.dflash:RoundInputs", "stage"),
+    ("split_rows_stage", "treeserve.models.graphs", "_stage_into"),
+    ("split_rows_buffer", "treeserve.models.graphs:PagedRunner", "_staging"),
+    ("split_copy_in", "treeserve.models.graphs:TreeRows", "copy_into"),
+    ("split_event", "treeserve.models.graphs:PagedRunner", "_copied"),
+    ("split_replays", "torch.cuda:CUDAGraph", "replay"),
+    ("split_unpack", "treeserve.drafter.dflash", "unpack_trees"),
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -116,6 +126,8 @@ def profile_cell(merged, batch: int, args, torch) -> dict:
         for step, seconds in zip(DEVICE_STEPS + LAUNCH_STEPS, replays):
             times[step].append(seconds)
     result = {step: round(statistics.median(values) * 1000, 3) for step, values in times.items()}
+    result.update(host_split(lambda: (extend_all(args.new_tokens), sync()), lambda: dflash.propose(inner, budgets),
+                             args.repeats))
     if args.trace:
         def one_round():
             extend_all(args.new_tokens)
@@ -129,6 +141,48 @@ def profile_cell(merged, batch: int, args, torch) -> dict:
     for context in contexts:
         merged.release(context)
     return result
+
+
+def host_split(prepare, propose, repeats: int) -> dict:
+    """Median ms a proposal of each SPLIT_STEPS step (its calls' total) and of the whole `propose`, each step timed
+    by a wrapper around its function for these rounds only (`prepare` runs before each, untimed)."""
+    import functools
+    import importlib
+
+    spent: dict[str, float] = {}
+
+    def timer(step, function):
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[step] = spent.get(step, 0.0) + time.perf_counter() - started
+        return timed
+
+    wrapped = []
+    for step, where, name in SPLIT_STEPS:
+        module, _, owner = where.partition(":")
+        holder = importlib.import_module(module)
+        holder = getattr(holder, owner) if owner else holder
+        wrapped.append((holder, name, holder.__dict__[name]))
+        setattr(holder, name, timer(step, holder.__dict__[name]))
+    totals: dict[str, list[float]] = {step: [] for step, _, _ in SPLIT_STEPS}
+    totals["split_propose"] = []
+    try:
+        for _ in range(repeats):
+            prepare()
+            spent.clear()
+            started = time.perf_counter()
+            propose()
+            totals["split_propose"].append(time.perf_counter() - started)
+            for step, _, _ in SPLIT_STEPS:
+                totals[step].append(spent.get(step, 0.0))
+    finally:
+        for holder, name, function in wrapped:
+            setattr(holder, name, function)
+    return {step: round(statistics.median(values) * 1000, 4) for step, values in totals.items()}
 
 
 def traced_rounds(one_round, rounds: int, path: Path, cuda: bool, torch) -> dict:
