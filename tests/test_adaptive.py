@@ -399,8 +399,45 @@ def test_a_stretch_of_misses_does_not_stop_trees_that_pay_on_average():
     accept(adaptive, ["a"], 16, 5)  # a copied stretch: 5 tokens a round
     accept(adaptive, ["a"], 16, 1)  # then ten misses: 2.8 tokens a round over the twenty
     assert budget(adaptive, {"a": 16}, batch=1) == 16
-    accept(adaptive, ["a"], 16, 1, rounds=40)  # misses for long: below break-even
-    assert budget(adaptive, {"a": 16}, batch=1) == 0
+    accept(adaptive, ["a"], 16, 1, rounds=40)  # misses for long: below break-even, once the tree's run is over
+    runs = AdaptiveSpeculation.REUSE_LONE_TREE
+    assert [budget(adaptive, {"a": 16}, batch=1) for _ in range(runs + 1)] == [16] * runs + [0]
+
+
+def test_a_lone_requests_tree_decision_stands_for_a_run_of_rounds():
+    """A lone request's tree chosen on its merits is played for REUSE_LONE_TREE more rounds, whatever they accept,
+    as a fixed budget plays it (a tree after plain rounds costs more than a steady one, and the choice's own work is
+    a visible part of a round), then worked out again; a new request's first try, or a second request, ends the run
+    at once, and in a batch each tree is worked out anew."""
+    adaptive = AdaptiveSpeculation()
+    costs(adaptive, 1, {1: 1.1, **{step + 1: 1.5 for step in BUDGET_STEPS}}, draft_ms=0.9)
+    accept(adaptive, ["a"], 32, 4, rounds=30)
+    first = adaptive.choose({"a": 32}, batch=1)
+    assert first.budget == 32 and adaptive.worked_out == 1
+    played = []
+    for _ in range(AdaptiveSpeculation.REUSE_LONE_TREE + 1):
+        choice = adaptive.choose({"a": 32}, batch=1)
+        adaptive.observe(report(choice, 1, {"a": (choice.budget, 1 if choice.budget else 1)}, verify_ms=1.5,
+                                drafts=[DraftRound({"a": None}, round_trip_s=0.0009)] if choice.budget else []))
+        played.append(choice.budget)
+    # misses throughout: the run plays on, and the choice worked out after it decodes plainly
+    assert played == [32] * AdaptiveSpeculation.REUSE_LONE_TREE + [0], played
+    assert adaptive.worked_out == 2
+    assert adaptive.choose({"a": 32}, batch=1).estimated_s is None
+    # a new request's first try is its own choice, not the run's
+    adaptive = AdaptiveSpeculation()
+    costs(adaptive, 1, {1: 1.1, **{step + 1: 1.5 for step in BUDGET_STEPS}}, draft_ms=0.9)
+    accept(adaptive, ["a"], 32, 4, rounds=30)
+    adaptive.choose({"a": 32}, batch=1)
+    adaptive.forget("a")
+    adaptive.choose({"b": 32}, batch=1)
+    assert adaptive.worked_out == 2
+    # in a batch, every tree decision is worked out
+    costs(adaptive, 2, {1: 1.1, **{step + 1: 1.5 for step in BUDGET_STEPS}}, draft_ms=0.9)
+    accept(adaptive, ["b", "c"], 32, 4, rounds=30)
+    for _ in range(3):
+        assert adaptive.choose({"b": 32, "c": 32}, batch=2).budget > 0
+    assert adaptive.worked_out == 5
 
 
 def test_a_requests_misses_fade_in_its_plain_rounds():

@@ -367,3 +367,18 @@ def test_policy_replay_prices_fixed_trees_and_replays_the_policy(tmp_path):
     assert rows["fixed 32"]["speedup"] == 1.0
     at_par, at_twice = rows["adaptive, decay 0.02, margin 1.0"], rows["adaptive, decay 0.02, margin 2.0"]
     assert at_par["rounds"].get("0", 0) <= 8 and at_twice["rounds"]["0"] > 80
+    # Each worked-out choice priced at 1 ms: a lone request's tree decisions reused for runs of 8 rounds work out
+    # about one in nine, worked out every round all; the same rounds are played.
+    assert main(["--positions", str(positions), "--decays", "0.02", "--reuses", "0,8", "--choice-ms", "1",
+                 "--plain-ms", "1", "--tree-extra-ms", "0.5", "--draft-ms", "0.5", "--catch-up-ms", "0",
+                 "--out", str(out)]) == 0
+    rows = {row["policy"]: row for row in json.loads(out.read_text())["rows"]}
+    never, runs = (rows[f"adaptive, decay 0.02, trees reused {reuse}"] for reuse in (0, 8))
+    assert never["rounds"] == runs["rounds"] and never["speedup"] < 1.0 < 1.15 < runs["speedup"]
+    # Plain rounds of a request that could draft priced 2 ms where plain decoding's cost 1: the policy, which
+    # measures its plain rounds, drafts where at 1 ms it would not.
+    assert main(["--positions", str(positions), "--decays", "0.02", "--margins", "2.0", "--plain-extra-ms", "1",
+                 "--plain-ms", "1", "--tree-extra-ms", "0.5", "--draft-ms", "0.5", "--catch-up-ms", "0",
+                 "--prompt-ms", "10", "--out", str(out)]) == 0
+    dear_plain = {row["policy"]: row for row in json.loads(out.read_text())["rows"]}["adaptive, decay 0.02, margin 2.0"]
+    assert dear_plain["rounds"].get("0", 0) < 10 < at_twice["rounds"]["0"]

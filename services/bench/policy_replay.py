@@ -1,20 +1,23 @@
 """python -m treeserve.bench.policy_replay: how the speculation policy plays a drafter at one request, on the CPU.
 
 First, per prompt of a set and per position p of its greedy answer (SmolLM2, float32), the tokens a round rooted
-there would emit with the shipped merged drafter's own tree at each budget (--budgets) and with prompt lookup's alone (1 + the deepest tree
-path the answer continues; no target forward per position: the answer is known). That record (--positions FILE,
-made once and reused: it takes about 20 s a prompt on two cores) is then replayed, one request after another, under
-fixed budgets and under adaptive speculation at each acceptance memory (--decays) and, with --margins, each margin
-a tree must promise over plain decoding (AdaptiveSpeculation.LONE_MARGIN), with a round's cost made of
-the parts given in ms (--plain-ms, --tree-extra-ms, --draft-ms, --lookup-ms, --catch-up-ms, --prompt-ms: by
-default what one H100 measured for SmolLM2 through the three services, a request's first tree priced as any
-catch-up). Reports tokens per second over plain decoding's for each, and the rounds by choice: where the policy's
-choices, not the device, make adaptive speculation lose to a fixed tree.
+there would emit with the shipped merged drafter's own tree at each budget (--budgets) and with prompt lookup's alone
+(1 + the deepest tree path the answer continues; no target forward per position: the answer is known). That record
+(--positions FILE, made once and reused: it takes about 20 s a prompt on two cores) is then replayed, one request
+after another, under fixed budgets and under adaptive speculation at each acceptance memory (--decays) and, with
+--margins and --reuses, each margin a tree must promise over plain decoding (AdaptiveSpeculation.LONE_MARGIN) and
+each run a lone request's tree decision stands for (REUSE_LONE_TREE), with a round's cost made of the parts given in
+ms (--plain-ms, --plain-extra-ms, --tree-extra-ms, --draft-ms, --lookup-ms, --catch-up-ms, --prompt-ms,
+--choice-ms: by default what one H100 measured for SmolLM2 through the three services, a request's first tree priced
+as any catch-up; a plain round's extra and a worked-out choice's host time 0 unless given). Reports tokens per
+second over plain decoding's for each, and the rounds by choice: where the policy's choices, not the device, make
+adaptive speculation lose to a fixed tree.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import sys
 import time
@@ -77,14 +80,17 @@ def record_positions(prompts: Path, limit: int | None, budgets: list[int], max_n
 
 
 class RoundCosts:
-    """A replayed round's seconds by its parts: a plain round; what a tree adds to the verification; the drafter's
+    """A replayed round's seconds by its parts: a plain round; what a plain round of a request that could draft adds
+    (its rows sent ahead, its kept features: not in plain decoding's rounds); the host's time for each choice the
+    policy works out rather than reuses; what a tree adds to the verification; the drafter's
     round trip for its own trees, for lookup's alone, what a round trip that catches the context up adds, and what
     a request's first tree of the drafter's own adds beside that when no plain round came before it (its prompt's
     rows, which a plain round would have sent ahead)."""
 
     def __init__(self, plain_ms: float, tree_extra_ms: float, draft_ms: float, lookup_ms: float, catch_up_ms: float,
-                 prompt_ms: float = 0.0):
+                 prompt_ms: float = 0.0, plain_extra_ms: float = 0.0, choice_ms: float = 0.0):
         self.plain_s, self.tree_extra_s = plain_ms / 1e3, tree_extra_ms / 1e3
+        self.plain_extra_s, self.choice_s = plain_extra_ms / 1e3, choice_ms / 1e3
         self.draft_s, self.lookup_s, self.catch_up_s = draft_ms / 1e3, lookup_ms / 1e3, catch_up_ms / 1e3
         self.prompt_s = prompt_ms / 1e3
 
@@ -107,7 +113,9 @@ def replay(positions: list[dict], costs: RoundCosts, policy_factory=None, fixed_
             if policy is None:
                 budget, choice, lookup = fixed_budget, None, False
             else:
+                worked_out = policy.worked_out
                 asked, choice = policy.round_budgets({request_id: max(budgets)}, 1, True)
+                seconds += costs.choice_s * (policy.worked_out - worked_out)
                 budget, lookup = asked.get(request_id, 0), choice is not None and choice.lookup
             label = ("lookup-" if lookup else "") + str(budget)
             rounds[label] = rounds.get(label, 0) + 1
@@ -126,7 +134,8 @@ def replay(positions: list[dict], costs: RoundCosts, policy_factory=None, fixed_
                 request = RequestReport(request_id, emitted, tree_nodes=budget, accepted=emitted - 1)
                 verify, last = costs.plain_s + costs.tree_extra_s, "lookup" if lookup else "own"
             else:
-                emitted, trip, verify, drafts, last, prompt_unsent = 1, 0.0, costs.plain_s, [], "plain", False
+                emitted, trip, drafts, last, prompt_unsent = 1, 0.0, [], "plain", False
+                verify = costs.plain_s + costs.plain_extra_s
                 request = RequestReport(request_id, 1)
             if policy is not None:
                 policy.observe(RoundReport(1, choice, {request_id: budget} if budget else {}, drafts, forward_batch=1,
@@ -151,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--decays", default="0.05,0.02", help="adaptive speculation's acceptance decays to replay")
     parser.add_argument("--margins", default="", help="comma-separated margins to replay (default: the policy's own)")
+    parser.add_argument("--reuses", default="", help="comma-separated counts of rounds a lone request's tree decision "
+                                                    "stands (AdaptiveSpeculation.REUSE_LONE_TREE; default: its own)")
     parser.add_argument("--plain-ms", type=float, default=1.05)
+    parser.add_argument("--plain-extra-ms", type=float, default=0.0)
+    parser.add_argument("--choice-ms", type=float, default=0.0)
     parser.add_argument("--tree-extra-ms", type=float, default=0.46)
     parser.add_argument("--draft-ms", type=float, default=0.76)
     parser.add_argument("--lookup-ms", type=float, default=0.15)
@@ -160,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     args = parser.parse_args(argv)
     numbers = {}
-    for flag in ("decays", "margins"):
+    for flag in ("decays", "margins", "reuses"):
         try:
             numbers[flag] = [float(value) for value in getattr(args, flag).split(",") if value.strip()]
         except ValueError:
@@ -174,24 +187,26 @@ def main(argv: list[str] | None = None) -> int:
     from treeserve.verifier.adaptive import AdaptiveSpeculation
 
     costs = RoundCosts(args.plain_ms, args.tree_extra_ms, args.draft_ms, args.lookup_ms, args.catch_up_ms,
-                       args.prompt_ms)
+                       args.prompt_ms, args.plain_extra_ms, args.choice_ms)
     rows = []
     for budget in sorted(int(b) for b in positions[0]["own"]):
         speedup, rounds = replay(positions, costs, fixed_budget=budget)
         rows.append({"policy": f"fixed {budget}", "speedup": round(speedup, 3), "rounds": rounds})
     for decay in numbers["decays"]:
-        for margin in numbers["margins"] or [None]:
-            policy = AdaptiveSpeculation if margin is None else type(
-                "ReplayedSpeculation", (AdaptiveSpeculation,), {"MARGIN": margin, "LONE_MARGIN": margin})
+        for margin, reuse in itertools.product(numbers["margins"] or [None], numbers["reuses"] or [None]):
+            settings = {**({} if margin is None else {"MARGIN": margin, "LONE_MARGIN": margin}),
+                        **({} if reuse is None else {"REUSE_LONE_TREE": int(reuse)})}
+            policy = type("ReplayedSpeculation", (AdaptiveSpeculation,), settings)
             speedup, rounds = replay(positions, costs, functools.partial(policy, decay=decay))
-            label = f"adaptive, decay {decay}" + ("" if margin is None else f", margin {margin}")
+            label = (f"adaptive, decay {decay}" + ("" if margin is None else f", margin {margin}")
+                     + ("" if reuse is None else f", trees reused {int(reuse)}"))
             rows.append({"policy": label, "speedup": round(speedup, 3), "rounds": rounds})
     for row in rows:
         print(f"{row['policy']:>36}: {row['speedup']:.3f}x plain decoding  rounds {row['rounds']}")
     if args.out:
         command = " ".join(["python -m treeserve.bench.policy_replay", *(argv if argv is not None else sys.argv[1:])])
         costs_ms = {part: getattr(args, f"{part}_ms")
-                    for part in ("plain", "tree_extra", "draft", "lookup", "catch_up", "prompt")}
+                    for part in ("plain", "plain_extra", "choice", "tree_extra", "draft", "lookup", "catch_up", "prompt")}
         args.out.write_text(json.dumps({"command": command, "costs_ms": costs_ms, "rows": rows}, indent=1) + "\n")
     return 0
 

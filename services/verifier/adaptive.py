@@ -17,7 +17,8 @@ plain decoding (T = 0) kept unless the best tree promises MARGIN times its token
 request's, LONE_MARGIN). c(batch) scales the acceptance model by what speculative rounds at that batch bucket really
 drafted over what it expected of them. At a batch of more than one request, a tree round after plain rounds (which
 catches every request's drafter context up) is priced the same way, by what such rounds took there over their
-estimates.
+estimates. A decision stands for a few rounds: a plain one in any batch (REUSE_PLAIN), a lone request's tree too
+(REUSE_LONE_TREE), whose trees then run as a fixed budget's do until a run's end finds they no longer pay.
 
 A drafter that also drafts by prompt lookup alone (the merged drafter: `DrafterLink.lookup_trees`) offers each
 budget twice: its own tree, or lookup's, which costs no model forward and so can pay at batches where the
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import itertools
 import logging
 import math
@@ -252,8 +254,15 @@ class CostModel:
         return costs
 
     def plain_settled(self, batch: int) -> bool:
-        plain = self.verify_s.get(batch_bucket(batch), {}).get(tree_bucket(1))
-        return plain is not None and plain.settled
+        return self.settled(batch, 0)
+
+    def settled(self, batch: int, budget: int, lookup: bool = False) -> bool:
+        """Whether a round at this batch and budget is priced by its own settled costs (its verification's, and its
+        drafter round trip's where it drafts), not by a neighbour's or a guess."""
+        bucket, nodes = batch_bucket(batch), tree_bucket(budget + 1)
+        verify = self.verify_s.get(bucket, {}).get(nodes)
+        draft = self.draft_s[lookup].get(bucket, {}).get(nodes) if budget else verify
+        return verify is not None and verify.settled and draft is not None and draft.settled
 
     @staticmethod
     def _estimate(table: dict, batch: int, bucket: int) -> float | None:
@@ -477,6 +486,12 @@ class AdaptiveSpeculation:
     # (PLAIN_AGING), and working it out is a visible part of a small target's round. Not the same batch: at a large
     # one, a request finishes or joins most rounds.
     REUSE_PLAIN = 8
+    # A lone request's tree decision stands the same way, for up to this many more rounds: its next round's acceptance
+    # is hard to tell from the last few, a tree after plain rounds costs more than a steady one (its drafter catches
+    # up), and working the choice out is a visible part of a tree round. So its trees run as a fixed budget's do,
+    # until a run's end finds they no longer pay. (Only a tree priced by its own settled costs: an unmeasured size is
+    # tried for a round, then judged.)
+    REUSE_LONE_TREE = 8
     # In a batch, a tree must promise this much more than plain decoding to be chosen (and for drafting to count as
     # paying): the choice takes the best of noisy estimates over many requests and sources, so the chosen tree's is
     # the likeliest to read high, and a round of trees also costs what no estimate here holds (every request's
@@ -512,6 +527,10 @@ class AdaptiveSpeculation:
         self.plain_signature: tuple | None = None
         self.plain_round_s = 0.0  # the estimated plain round of that choice
         self.reused = 0
+        # (signature, choice) of a lone request's last tree chosen on its merits, and the rounds it has stood since
+        self.lone_tree: tuple[tuple, Choice] | None = None
+        self.lone_tree_reused = 0
+        self.worked_out = 0  # choices worked out, not reused (for benches: each costs the host a visible share)
         self.last_played: Choice = Choice(0)  # the last round's choice
 
     # ----------------------------------------------------------------------------------- the policy interface
@@ -594,6 +613,13 @@ class AdaptiveSpeculation:
             self.reused += 1  # (never in place of a try)
             self.exploration.plain(self.plain_round_s)
             return Choice(0, (float(batch), self.plain_round_s))
+        lone_tree, self.lone_tree = self.lone_tree, None
+        if (lone_tree is not None and lone_tree[0] == signature and self.lone_tree_reused < self.REUSE_LONE_TREE
+                and not first_try):
+            self.lone_tree, self.lone_tree_reused = lone_tree, self.lone_tree_reused + 1
+            return lone_tree[1]
+        self.lone_tree_reused = 0
+        self.worked_out += 1
         reused, self.plain_signature, self.reused = self.reused, None, 0
         steps = [step for step in (0,) + BUDGET_STEPS if self.min_budget <= step <= most]
         if not steps:
@@ -647,8 +673,13 @@ class AdaptiveSpeculation:
         if chosen[1] == 0:
             self.plain_signature, self.plain_round_s = signature, seconds[plain]
         calibrated = chosen[1] > 0 and chosen == best and self._catches_up(chosen[0])
-        return Choice(chosen[1], (batch + gained[chosen], seconds[chosen]), drafted[chosen] if chosen[1] > 0 else None,
-                      lookup=chosen[0], estimated_s=estimated[chosen] if calibrated else None)
+        choice = Choice(chosen[1], (batch + gained[chosen], seconds[chosen]), drafted[chosen] if chosen[1] > 0 else None,
+                        lookup=chosen[0], estimated_s=estimated[chosen] if calibrated else None)
+        if (batch == 1 and chosen[1] > 0 and chosen == best and not first_try
+                and self.costs.settled(batch, chosen[1], chosen[0])):
+            # (its reuses are steady rounds: nothing to calibrate a catch-up by)
+            self.lone_tree = (signature, dataclasses.replace(choice, estimated_s=None))
+        return choice
 
     def _catches_up(self, lookup: bool) -> bool:
         """Whether a round of these trees would catch the drafters' contexts up: after a plain round, and for the
