@@ -540,14 +540,17 @@ class AdaptiveSpeculation:
         if not asked:
             return {}, None
         choice = self.choose(asked, batch, lookup)
-        return {request_id: min(choice.budget, own) for request_id, own in asked.items() if choice.budget > 0}, choice
+        if choice.budget == 0:
+            return {}, choice
+        return {request_id: min(choice.budget, own) for request_id, own in asked.items()}, choice
 
     def observe(self, report: RoundReport) -> tuple[int, float] | None:
         """Learn from a round: its trees' acceptance, its drafters' and its verification's costs, and what its
         trees drafted beside what the choice expected. Returns (batch bucket, realized over expected drafted
         tokens) when that was checked on the drafter's own trees."""
         model = self.lookup_acceptance if report.lookup else self.acceptance
-        for request in report.requests if report.drafted else ():  # (a plain round's observe nothing)
+        drafted = report.drafted
+        for request in report.requests if drafted else ():  # (a plain round's observe nothing)
             model.observe(request.request_id, request.tree_nodes, request.committed)
             if request.lookup_accepted is not None:  # an own tree's lookup chain, of at most half its budget
                 self.lookup_acceptance.observe(request.request_id, report.budgets.get(request.request_id, 0) // 2,
@@ -560,14 +563,14 @@ class AdaptiveSpeculation:
             self.costs.observe_draft(report.batch, max(report.budgets.values()), max(trips),
                                      catch_up=any(found.catch_up for found in report.drafts), lookup=report.lookup)
         choice = report.choice
-        if (choice is not None and choice.estimated_s is not None and report.drafted and not report.with_prompts):
+        if (choice is not None and choice.estimated_s is not None and drafted and not report.with_prompts):
             self.costs.observe_tree_round(report.batch, choice.lookup, report.seconds, choice.estimated_s)
         if report.forward_batch and not report.with_prompts:
             # The whole round less its wait on drafters: everything a tree adds to the host's work (plans,
             # staging, the acceptance walk, the messages) as well as the forward. A drafter that failed is waited
             # on apart, so its stall does not price this round's verification.
             self.costs.observe_verify(report.forward_batch, report.largest_tree, report.seconds - report.drafters_s)
-        if choice is None or choice.expected_drafted is None or not report.drafted:
+        if choice is None or choice.expected_drafted is None or not drafted:
             return None
         realized = max(0, report.tokens - len(report.requests))
         factor = model.calibrate(report.batch, realized, choice.expected_drafted)

@@ -218,6 +218,10 @@ class FeatureCopies:
     def keep_recent(self, generations: list["Generation"]) -> None:
         """After a commit: each of these generations that keeps features has its last rows as `recent` where they
         are in this forward's copies, and none otherwise (its rows are then all in the pool)."""
+        if not self.copies:  # (a round of plain steps: most rounds of a large batch)
+            for generation in generations:
+                generation.features.recent = None
+            return
         for generation in generations:
             features = generation.features
             last = features.last
