@@ -111,7 +111,7 @@ def test_a_staging_buffer_is_refilled_without_a_wait_once_its_copies_are_settled
         def __init__(self):
             self.recorded = self.waits = 0
 
-        def record(self):
+        def record(self, stream=None):
             self.recorded += 1
 
         def synchronize(self):

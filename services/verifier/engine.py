@@ -191,6 +191,7 @@ class FeatureCopies:
         self.copies: list[torch.Tensor] = []  # the last forward's copies: the sources of its prepared rows
         self.copied: torch.cuda.Event | None = None  # where the last copy to the host ends, while one may run
         self.copy_event: torch.cuda.Event | None = None  # the event `copied` is, made once
+        self.copy_stream: torch.cuda.Stream | None = None  # the stream it is recorded on
 
     def prepare(self, features: list[Rows | None], plans: list[ForwardPlan], keeps: list[bool]
                 ) -> list[Rows | None]:
@@ -238,9 +239,9 @@ class FeatureCopies:
             return rows.clone()
         host = rows.to("cpu", non_blocking=True)
         if self.copy_event is None:  # (one, recorded again by each copy: as HostPicks.copy_events)
-            self.copy_event = torch.cuda.Event()
+            self.copy_event, self.copy_stream = torch.cuda.Event(), torch.cuda.current_stream(rows.device)
         self.copied = self.copy_event
-        self.copied.record()
+        self.copied.record(self.copy_stream)  # (its stream given: as StagingEvents records)
         return host
 
     def wait(self) -> None:
@@ -363,7 +364,7 @@ class HostPicks:
     # One event a device for every round's copy, recorded again by each: a later record would only make a wait for
     # an earlier copy longer, never shorter (one stream), and an event made and destroyed each round is two driver
     # calls on the round's path.
-    copy_events: dict[int, torch.cuda.Event] = {}
+    copy_events: dict[int, tuple[torch.cuda.Event, torch.cuda.Stream]] = {}  # with the stream it is recorded on
 
     def __init__(self, picks: list[torch.Tensor]):
         self.sizes = [len(pick) for pick in picks]
@@ -373,9 +374,9 @@ class HostPicks:
             device = flat.device.index
             flat = flat.to("cpu", non_blocking=True)
             if device not in HostPicks.copy_events:
-                HostPicks.copy_events[device] = torch.cuda.Event()
-            self.copied = HostPicks.copy_events[device]
-            self.copied.record()
+                HostPicks.copy_events[device] = torch.cuda.Event(), torch.cuda.current_stream(device)
+            self.copied, stream = HostPicks.copy_events[device]
+            self.copied.record(stream)  # (its stream given: as StagingEvents records)
         self.flat = flat
 
     def lists(self) -> list[list[int]]:

@@ -310,7 +310,7 @@ class PagedRunner:
         # Host buffers that forwards up to the maxima are staged in (`_staging`), used in turn, and on a GPU
         # each one's event that the copies out of it have finished.
         self.staging: list[TreeRows] = []
-        self.staging_copies = StagingEvents(self.STAGING_BUFFERS, self.device.type == "cuda")
+        self.staging_copies = StagingEvents(self.STAGING_BUFFERS, self.device)
         self.staged_in = 0  # the buffers the last forward was staged in
         # Made once, not per forward: each buffer set's StagingView of a (batch, rows), each bucket's views of the
         # static inputs and of its graph's outputs, and the bucket each (batch, rows) replays (the last three

@@ -46,8 +46,12 @@ class StagingEvents:
     not since waited for the device past that copy (`settled`): a round that reads its results back has, so in
     steady rounds the buffers are refilled without a driver call. Off a GPU, nothing to wait for."""
 
-    def __init__(self, buffers: int, on_gpu: bool):
+    def __init__(self, buffers: int, device: torch.device):
+        on_gpu = device.type == "cuda"
         self.events = [torch.cuda.Event() for _ in range(buffers)] if on_gpu else None
+        # Recorded on the device's stream current when made (its default: the services queue all their work there),
+        # given each time: an event's record() without one looks the current stream up, several times its own cost.
+        self.stream = torch.cuda.current_stream(device) if on_gpu else None
         self.queued = 0  # copies recorded so far
         self.last = [0] * buffers  # each buffer's last copy's number
         self.made = 0  # copies known to be made
@@ -60,7 +64,7 @@ class StagingEvents:
     def copied(self, buffer: int) -> None:
         """A copy out of `buffer` was queued."""
         if self.events is not None:
-            self.events[buffer].record()
+            self.events[buffer].record(self.stream)
             self.queued += 1
             self.last[buffer] = self.queued
 
@@ -101,7 +105,7 @@ class PagedKVCache:
         # On a GPU, page-locked buffers that moves' slot numbers are staged in, in turn (grown as needed), and the
         # events of the copies out of them.
         self.move_staging: list[torch.Tensor | None] = [None, None]
-        self.move_copies = StagingEvents(len(self.move_staging), self.data.is_cuda)
+        self.move_copies = StagingEvents(len(self.move_staging), self.data.device)
         self.move_turn = 0
         # Where a drafter conditions on the target's hidden states (`keep_features`): a row of them per slot, written
         # by the forward that writes the slot's keys and values and moved with them, plus one last row where
