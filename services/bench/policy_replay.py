@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         command = " ".join(["python -m treeserve.bench.policy_replay", *(argv if argv is not None else sys.argv[1:])])
         costs_ms = {part: getattr(args, f"{part}_ms")
-                    for part in ("plain", "plain_extra", "choice", "tree_extra", "draft", "lookup", "catch_up", "prompt")}
+                    for part in ("plain", "plain_extra", "choice", "tree_extra", "draft", "lookup", "catch_up",
+                                 "prompt")}
         args.out.write_text(json.dumps({"command": command, "costs_ms": costs_ms, "rows": rows}, indent=1) + "\n")
     return 0
 

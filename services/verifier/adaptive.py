@@ -676,8 +676,9 @@ class AdaptiveSpeculation:
         if chosen[1] == 0:
             self.plain_signature, self.plain_round_s = signature, seconds[plain]
         calibrated = chosen[1] > 0 and chosen == best and self._catches_up(chosen[0])
-        choice = Choice(chosen[1], (batch + gained[chosen], seconds[chosen]), drafted[chosen] if chosen[1] > 0 else None,
-                        lookup=chosen[0], estimated_s=estimated[chosen] if calibrated else None)
+        choice = Choice(chosen[1], (batch + gained[chosen], seconds[chosen]),
+                        drafted[chosen] if chosen[1] > 0 else None, lookup=chosen[0],
+                        estimated_s=estimated[chosen] if calibrated else None)
         if (batch == 1 and chosen[1] > 0 and chosen == best and not first_try
                 and self.costs.settled(batch, chosen[1], chosen[0])):
             # (its reuses are steady rounds: nothing to calibrate a catch-up by)
