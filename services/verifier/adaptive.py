@@ -616,12 +616,11 @@ class AdaptiveSpeculation:
             self.reused += 1  # (never in place of a try)
             self.exploration.plain(self.plain_round_s)
             return Choice(0, (float(batch), self.plain_round_s))
-        lone_tree, self.lone_tree = self.lone_tree, None
-        if (lone_tree is not None and lone_tree[0] == signature and self.lone_tree_reused < self.REUSE_LONE_TREE
-                and not first_try):
-            self.lone_tree, self.lone_tree_reused = lone_tree, self.lone_tree_reused + 1
-            return lone_tree[1]
-        self.lone_tree_reused = 0
+        if (self.lone_tree is not None and self.lone_tree[0] == signature
+                and self.lone_tree_reused < self.REUSE_LONE_TREE and not first_try):
+            self.lone_tree_reused += 1
+            return self.lone_tree[1]
+        self.lone_tree, self.lone_tree_reused = None, 0
         self.worked_out += 1
         reused, self.plain_signature, self.reused = self.reused, None, 0
         steps = [step for step in (0,) + BUDGET_STEPS if self.min_budget <= step <= most]
