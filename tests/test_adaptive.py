@@ -417,7 +417,7 @@ def test_a_lone_requests_tree_decision_stands_for_a_run_of_rounds():
     played = []
     for _ in range(AdaptiveSpeculation.REUSE_LONE_TREE + 1):
         choice = adaptive.choose({"a": 32}, batch=1)
-        adaptive.observe(report(choice, 1, {"a": (choice.budget, 1 if choice.budget else 1)}, verify_ms=1.5,
+        adaptive.observe(report(choice, 1, {"a": (choice.budget, 1)}, verify_ms=1.5,
                                 drafts=[DraftRound({"a": None}, round_trip_s=0.0009)] if choice.budget else []))
         played.append(choice.budget)
     # misses throughout: the run plays on, and the choice worked out after it decodes plainly
