@@ -410,7 +410,7 @@ def test_a_lone_requests_tree_decision_stands_for_a_run_of_rounds():
     a visible part of a round), then worked out again; a new request's first try, or a second request, ends the run
     at once, and in a batch each tree is worked out anew."""
     adaptive = AdaptiveSpeculation()
-    costs(adaptive, 1, {1: 1.1, **{step + 1: 1.5 for step in BUDGET_STEPS}}, draft_ms=0.9)
+    costs(adaptive, 1, {**{step + 1: 1.5 for step in BUDGET_STEPS}, 1: 1.1}, draft_ms=0.9)
     accept(adaptive, ["a"], 32, 4, rounds=30)
     first = adaptive.choose({"a": 32}, batch=1)
     assert first.budget == 32 and adaptive.worked_out == 1
@@ -426,18 +426,45 @@ def test_a_lone_requests_tree_decision_stands_for_a_run_of_rounds():
     assert adaptive.choose({"a": 32}, batch=1).estimated_s is None
     # a new request's first try is its own choice, not the run's
     adaptive = AdaptiveSpeculation()
-    costs(adaptive, 1, {1: 1.1, **{step + 1: 1.5 for step in BUDGET_STEPS}}, draft_ms=0.9)
+    costs(adaptive, 1, {**{step + 1: 1.5 for step in BUDGET_STEPS}, 1: 1.1}, draft_ms=0.9)
     accept(adaptive, ["a"], 32, 4, rounds=30)
     adaptive.choose({"a": 32}, batch=1)
     adaptive.forget("a")
     adaptive.choose({"b": 32}, batch=1)
     assert adaptive.worked_out == 2
     # in a batch, every tree decision is worked out
-    costs(adaptive, 2, {1: 1.1, **{step + 1: 1.5 for step in BUDGET_STEPS}}, draft_ms=0.9)
+    costs(adaptive, 2, {**{step + 1: 1.5 for step in BUDGET_STEPS}, 1: 1.1}, draft_ms=0.9)
     accept(adaptive, ["b", "c"], 32, 4, rounds=30)
     for _ in range(3):
         assert adaptive.choose({"b": 32, "c": 32}, batch=2).budget > 0
     assert adaptive.worked_out == 5
+
+
+def test_a_lone_requests_tree_tried_after_plain_rounds_runs_and_prices_its_steady_rounds_anew():
+    """A tree tried after plain rounds (Exploration) stands for a run at one request, as one chosen on its merits
+    does: the try is a catch-up, which prices no steady round, so a stale steady cost (here the drafter's round
+    trips last measured slow) would keep trees out for good. The run's steady rounds price them anew, and trees that
+    pay are then chosen on their merits."""
+    adaptive = AdaptiveSpeculation(explore_every=32)
+    # Plain rounds 1.1 ms, a verification of any tree 1.4, the drafter's steady round trips last read 2.0 ms: three
+    # tokens a round for 3.4 ms is below plain decoding's tokens a second, for 2.2 ms well above.
+    costs(adaptive, 1, {**{step + 1: 1.4 for step in BUDGET_STEPS}, 1: 1.1}, draft_ms=2.0, samples=RecentCost.WINDOW)
+    accept(adaptive, ["a"], 32, 3, rounds=60)
+    played = []
+    for _ in range(400):
+        choice = adaptive.choose({"a": 32}, batch=1)
+        if choice.budget:
+            catch_up = played[-1:] == [0]
+            drafts = [DraftRound({"a": None}, round_trip_s=0.0016 if catch_up else 0.0008, catch_up=catch_up)]
+            adaptive.observe(report(choice, 1, {"a": (choice.budget, 3)}, verify_ms=1.4, drafts=drafts))
+        else:
+            adaptive.observe(report(choice, 1, {"a": (0, 1)}, verify_ms=1.1))
+        played.append(choice.budget)
+    tried = played.index(32)
+    assert tried >= 32 and set(played[:tried]) == {0}  # plain, until a try is due
+    runs = AdaptiveSpeculation.REUSE_LONE_TREE
+    assert played[tried:tried + 1 + runs] == [32] * (1 + runs)  # the try and its run
+    assert set(played[tried + 1 + runs:]) == {32}  # then trees on their merits, priced by the run's rounds
 
 
 def test_a_requests_misses_fade_in_its_plain_rounds():

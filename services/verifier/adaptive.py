@@ -489,8 +489,9 @@ class AdaptiveSpeculation:
     # A lone request's tree decision stands the same way, for up to this many more rounds: its next round's acceptance
     # is hard to tell from the last few, a tree after plain rounds costs more than a steady one (its drafter catches
     # up), and working the choice out is a visible part of a tree round. So its trees run as a fixed budget's do,
-    # until a run's end finds they no longer pay. (Only a tree priced by its own settled costs: an unmeasured size is
-    # tried for a round, then judged.)
+    # until a run's end finds they no longer pay. A tree tried after plain rounds (Exploration) runs too: a try alone
+    # is a catch-up, which prices no steady round, so the steady costs that keep trees out would never be measured
+    # again. (Only a tree priced by its own settled costs: an unmeasured size is tried for a round, then judged.)
     REUSE_LONE_TREE = 8
     # In a batch, a tree must promise this much more than plain decoding to be chosen (and for drafting to count as
     # paying): the choice takes the best of noisy estimates over many requests and sources, so the chosen tree's is
@@ -678,8 +679,7 @@ class AdaptiveSpeculation:
         choice = Choice(chosen[1], (batch + gained[chosen], seconds[chosen]),
                         drafted[chosen] if chosen[1] > 0 else None, lookup=chosen[0],
                         estimated_s=estimated[chosen] if calibrated else None)
-        if (batch == 1 and chosen[1] > 0 and chosen == best and not first_try
-                and self.costs.settled(batch, chosen[1], chosen[0])):
+        if batch == 1 and chosen[1] > 0 and not first_try and self.costs.settled(batch, chosen[1], chosen[0]):
             # (its reuses are steady rounds: nothing to calibrate a catch-up by)
             self.lone_tree = (signature, dataclasses.replace(choice, estimated_s=None))
         return choice
