@@ -434,6 +434,30 @@ class Exploration:
         return True
 
 
+@dataclasses.dataclass
+class StandingChoice:
+    """A choice worked out for rounds of this `signature` (batch bucket, speculating requests, largest budget,
+    lookup offered), played again for up to `limit` more of them (AdaptiveSpeculation.REUSE_PLAIN, REUSE_LONE_TREE)."""
+
+    signature: tuple
+    choice: Choice
+    limit: int
+    rounds: int = 0  # rounds it has stood since worked out
+
+    def stands(self, signature: tuple, first_try: bool, exploration: Exploration) -> bool:
+        """Whether it stands for this round (and count it): not for a request's first try, and a plain one not in
+        place of a try that Exploration has due."""
+        if signature != self.signature or self.rounds >= self.limit or first_try:
+            return False
+        plain_s = self.choice.expected[1] if self.choice.budget == 0 else None
+        if plain_s is not None:
+            if exploration.due(1, plain_s):
+                return False
+            exploration.plain(plain_s)
+        self.rounds += 1
+        return True
+
+
 class GiveUp:
     """Once the rounds at a batch bucket have been plain for `after_s` since drafting last paid there (the choice
     would not speculate even were every request drafting), new requests there decode plainly but for one in
@@ -524,13 +548,7 @@ class AdaptiveSpeculation:
         self.exploration = Exploration(explore_every)
         self.give_up = GiveUp(give_up_after_s)
         self.tried: set[str] = set()  # requests that were given a tree budget (a tree may have come back empty)
-        # (batch bucket, speculating requests, largest budget, lookup offered) of a plain choice
-        self.plain_signature: tuple | None = None
-        self.plain_round_s = 0.0  # the estimated plain round of that choice
-        self.reused = 0
-        # (signature, choice) of a lone request's last tree chosen on its merits, and the rounds it has stood since
-        self.lone_tree: tuple[tuple, Choice] | None = None
-        self.lone_tree_reused = 0
+        self.standing: StandingChoice | None = None  # the last choice worked out, where it may stand
         self.worked_out = 0  # choices worked out, not reused (for benches: each costs the host a visible share)
         self.last_played: Choice = Choice(0)  # the last round's choice
 
@@ -612,18 +630,13 @@ class AdaptiveSpeculation:
     def _choose(self, asked: dict[str, int], batch: int, first_try: bool = False, lookup: bool = False) -> Choice:
         most = min(self.max_budget, max(asked.values()))
         signature = (batch_bucket(batch), len(asked), most, lookup)
-        if (signature == self.plain_signature and self.reused < self.REUSE_PLAIN and not first_try
-                and not self.exploration.due(1, self.plain_round_s)):
-            self.reused += 1  # (never in place of a try)
-            self.exploration.plain(self.plain_round_s)
-            return Choice(0, (float(batch), self.plain_round_s))
-        if (self.lone_tree is not None and self.lone_tree[0] == signature
-                and self.lone_tree_reused < self.REUSE_LONE_TREE and not first_try):
-            self.lone_tree_reused += 1
-            return self.lone_tree[1]
-        self.lone_tree, self.lone_tree_reused = None, 0
+        standing = self.standing
+        if standing is not None and standing.stands(signature, first_try, self.exploration):
+            choice = standing.choice  # (a plain one expects a token of each of this round's requests)
+            return choice if choice.budget else Choice(0, (float(batch), choice.expected[1]))
+        self.standing = None
         self.worked_out += 1
-        reused, self.plain_signature, self.reused = self.reused, None, 0
+        reused = standing.rounds if standing is not None and standing.choice.budget == 0 else 0  # plain ones
         steps = [step for step in (0,) + BUDGET_STEPS if self.min_budget <= step <= most]
         if not steps:
             steps = [min(self.min_budget, most)]
@@ -673,15 +686,16 @@ class AdaptiveSpeculation:
                       {step: round(self.costs._verify_estimate(bucket, tree_bucket(step + 1)) * 1e3, 3)
                        for step in steps})
         chosen = self._explore(best, rates, seconds, batch, first_try)
-        if chosen[1] == 0:
-            self.plain_signature, self.plain_round_s = signature, seconds[plain]
         calibrated = chosen[1] > 0 and chosen == best and self._catches_up(chosen[0])
         choice = Choice(chosen[1], (batch + gained[chosen], seconds[chosen]),
                         drafted[chosen] if chosen[1] > 0 else None, lookup=chosen[0],
                         estimated_s=estimated[chosen] if calibrated else None)
-        if batch == 1 and chosen[1] > 0 and not first_try and self.costs.settled(batch, chosen[1], chosen[0]):
+        if chosen[1] == 0:
+            self.standing = StandingChoice(signature, choice, self.REUSE_PLAIN)
+        elif batch == 1 and not first_try and self.costs.settled(batch, chosen[1], chosen[0]):
             # (its reuses are steady rounds: nothing to calibrate a catch-up by)
-            self.lone_tree = (signature, dataclasses.replace(choice, estimated_s=None))
+            self.standing = StandingChoice(signature, dataclasses.replace(choice, estimated_s=None),
+                                           self.REUSE_LONE_TREE)
         return choice
 
     def _catches_up(self, lookup: bool) -> bool:
