@@ -449,8 +449,8 @@ class StandingChoice:
         place of a try that Exploration has due."""
         if signature != self.signature or self.rounds >= self.limit or first_try:
             return False
-        plain_s = self.choice.expected[1] if self.choice.budget == 0 else None
-        if plain_s is not None:
+        if self.choice.budget == 0:
+            plain_s = self.choice.expected[1]
             if exploration.due(1, plain_s):
                 return False
             exploration.plain(plain_s)
