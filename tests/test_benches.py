@@ -382,3 +382,50 @@ def test_policy_replay_prices_fixed_trees_and_replays_the_policy(tmp_path):
                  "--prompt-ms", "10", "--out", str(out)]) == 0
     dear_plain = {row["policy"]: row for row in json.loads(out.read_text())["rows"]}["adaptive, decay 0.02, margin 2.0"]
     assert dear_plain["rounds"].get("0", 0) < 10 < at_twice["rounds"]["0"]
+
+
+def test_round_log_splits_a_verifiers_debug_log_into_turns_and_kinds(tmp_path, capsys):
+    """Rounds logged as the verifier logs them (RoundReport.log_line, with the services' time stamps), a plain turn
+    then a speculative one: read back into those two turns, the speculative one's rounds by kind, its estimates
+    beside what the rounds took; a log without round lines is one clear error."""
+    import gzip
+
+    from treeserve.bench.round_log import main
+    from treeserve.verifier.drafter_link import DraftRound
+    from treeserve.verifier.round import Choice, RequestReport, RoundReport
+
+    def report(batch, choice, tokens, draft_ms, verify_ms, catch_up=False, prompts=False):
+        drafts = [DraftRound({}, round_trip_s=draft_ms / 2e3, catch_up=catch_up)] if draft_ms else []
+        return RoundReport(batch, choice, {}, drafts, with_prompts=prompts, draft_s=draft_ms / 1e3,
+                           verify_s=verify_ms / 1e3, requests=[RequestReport(f"r{i}", tokens // batch)
+                                                                for i in range(batch)])
+
+    plain = [report(2, None, 2, 0, 1.0)] * 3 + [report(2, None, 2, 0, 3.0, prompts=True)]
+    tree = Choice(8, (6.0, 0.0025))
+    speculative = [report(2, Choice(0, (2.0, 0.001)), 2, 0, 1.0), report(2, tree, 6, 1.0, 1.5),
+                   report(2, tree, 4, 1.0, 2.0), report(2, tree, 8, 4.0, 2.0, catch_up=True),
+                   report(2, Choice(4, (3.0, 0.002), lookup=True), 4, 0.4, 1.2)]
+    lines = [f"2026-12-07 10:00:{i:02d},000 treeserve.verifier DEBUG {round_.log_line()}\n"
+             for i, round_ in enumerate(plain + speculative)]
+    log = tmp_path / "verifier.log.gz"
+    with gzip.open(log, "wt") as out:
+        out.write("2026-12-07 09:59:59,000 treeserve.verifier INFO listening\n" + "".join(lines))
+    out = tmp_path / "turns.json"
+    assert main([str(log), "--min-rounds", "2", "--out", str(out)]) == 0
+    first, second = json.loads(out.read_text())["logs"][0]["turns"]
+    assert (first["mode"], first["rounds"], first["tokens"]) == ("plain", 4, 8)
+    assert first["kinds"]["plain+prompts"]["rounds"] == 1 and first["rounds_ms"] == 6.0
+    assert first["span_ms"] == 3000 + 3.0  # the first round's stamp to the last's, and the last round
+    assert (second["mode"], second["rounds"], second["tokens"]) == ("speculative", 5, 24)
+    assert set(second["kinds"]) == {"plain", "own", "own*", "lookup"}
+    own = second["kinds"]["own"]
+    assert (own["rounds"], own["tokens"], own["ms"]) == (2, 10, 5.5)
+    assert own["expected"] == {"rounds": 2, "tokens": 6.0, "median_ms": 2.5}
+    assert own["took"] == {"tokens": 5.0, "median_ms": 2.75}
+    assert second["kinds"]["own*"]["median_drafters_ms"] == 2.0
+    assert "expected" not in second["kinds"]["plain"]  # a plain choice's estimate is its own measure
+    empty = tmp_path / "empty.log"
+    empty.write_text("nothing here\n")
+    with pytest.raises(SystemExit):
+        main([str(empty)])
+    assert "no round lines" in capsys.readouterr().err

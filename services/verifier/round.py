@@ -133,6 +133,18 @@ class RoundReport:
     def seconds(self) -> float:
         return self.draft_s + self.plan_s + self.verify_s + self.emit_s
 
+    def log_line(self) -> str:
+        """The round in one line, as the verifier logs it at DEBUG (`treeserve.bench.round_log` reads it back)."""
+        expected = self.choice.expected if self.choice else None
+        expected_text = f"{expected[0]:.2f} in {expected[1] * 1e3:.3f}" if expected else "-"
+        catch_up = " (catch-up)" if any(found.catch_up for found in self.drafts) else ""
+        prompts = " (with prompts)" if self.with_prompts else ""
+        return (f"round of batch {self.batch}, choice {self.choice.label if self.choice else '-'}: {self.tokens} "
+                f"tokens in {self.seconds * 1e3:.3f} ms (expected {expected_text}), of them drafters "
+                f"{self.drafters_s * 1e3:.3f} ms{catch_up}{prompts}; choice and messages "
+                f"{(self.draft_s - self.drafters_s) * 1e3:.3f}, plan {self.plan_s * 1e3:.3f}, forward and commit "
+                f"{self.verify_s * 1e3:.3f}, emit {self.emit_s * 1e3:.3f} ms")
+
     @property
     def verify_phase_s(self) -> float:
         """The forward, the commits and the messages out: the metrics' verify phase."""

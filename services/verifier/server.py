@@ -272,14 +272,7 @@ class Scheduler:
         checked them; `seconds`: the whole round, scheduling included)."""
         metrics = self.metrics
         if log.isEnabledFor(logging.DEBUG):
-            expected = report.choice.expected if report.choice else None
-            log.debug("round of batch %d, choice %s: %d tokens in %.3f ms (expected %s), of them drafters %.3f ms%s%s; "
-                      "choice and messages %.3f, plan %.3f, forward and commit %.3f, emit %.3f ms", report.batch,
-                      report.choice.label if report.choice else "-", report.tokens, report.seconds * 1e3,
-                      f"{expected[0]:.2f} in {expected[1] * 1e3:.3f}" if expected else "-", report.drafters_s * 1e3,
-                      " (catch-up)" if any(found.catch_up for found in report.drafts) else "",
-                      " (with prompts)" if report.with_prompts else "", (report.draft_s - report.drafters_s) * 1e3,
-                      report.plan_s * 1e3, report.verify_s * 1e3, report.emit_s * 1e3)
+            log.debug("%s", report.log_line())
         if report.choice is not None:
             metrics.round_budget.set(report.choice.budget)
             metrics.by_budget(report.choice.label).rounds.inc()
