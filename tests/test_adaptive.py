@@ -467,6 +467,31 @@ def test_a_lone_requests_tree_tried_after_plain_rounds_runs_and_prices_its_stead
     assert set(played[tried + 1 + runs:]) == {32}  # then trees on their merits, priced by the run's rounds
 
 
+def test_a_lone_request_on_trees_weighs_the_catch_up_that_leaving_them_costs():
+    """A lone request's trees that read a little below plain decoding's tokens a second are left for plain rounds,
+    unless the catch-up that trees cost when they return (here measured at 2 ms beyond a steady round trip, spread
+    over the rounds a plain decision stands for) takes more than the plain stretch saves: then their size stays."""
+    def after_a_run_of_trees(catch_up_ms: float | None) -> list[int]:
+        adaptive = AdaptiveSpeculation()
+        # Plain rounds 1.0 ms; trees 1.2 ms to verify plus 1.0 ms of drafting.
+        costs(adaptive, 1, {**{step + 1: 1.2 for step in BUDGET_STEPS}, 1: 1.0}, draft_ms=1.0)
+        if catch_up_ms is not None:
+            for _ in range(RecentCost.SETTLED):
+                adaptive.costs.observe_draft(1, 32, catch_up_ms / 1000, catch_up=True)
+        accept(adaptive, ["a"], 32, 4)
+        played = [budget(adaptive, {"a": 32}, batch=1)]
+        # Now about 2 tokens a round: 0.91 tokens a ms from trees against 1.0 from plain rounds, 0.82 with the
+        # catch-up spread over them.
+        accept(adaptive, ["a"], 32, 2, rounds=200)
+        played += [budget(adaptive, {"a": 32}, batch=1) for _ in range(AdaptiveSpeculation.REUSE_LONE_TREE + 1)]
+        return played
+
+    runs = AdaptiveSpeculation.REUSE_LONE_TREE
+    assert after_a_run_of_trees(None) == [32] * (1 + runs) + [0]  # no catch-up measured: plain
+    assert after_a_run_of_trees(1.5) == [32] * (1 + runs) + [0]  # 0.5 ms beyond a steady trip: still plain
+    assert after_a_run_of_trees(3.0) == [32] * (2 + runs)  # 2 ms beyond: trees stay
+
+
 def test_a_requests_misses_fade_in_its_plain_rounds():
     """Acceptance comes in runs (a stretch copied from the prompt, then misses): a request that has just missed a
     few times is tried again within a few plain rounds, once its own evidence has aged towards what all requests'

@@ -18,7 +18,8 @@ request's, LONE_MARGIN). c(batch) scales the acceptance model by what speculativ
 drafted over what it expected of them. At a batch of more than one request, a tree round after plain rounds (which
 catches every request's drafter context up) is priced the same way, by what such rounds took there over their
 estimates. A decision stands for a few rounds: a plain one in any batch (REUSE_PLAIN), a lone request's tree too
-(REUSE_LONE_TREE), whose trees then run as a fixed budget's do until a run's end finds they no longer pay.
+(REUSE_LONE_TREE), whose trees then run as a fixed budget's do until a run's end finds they no longer pay, even
+counting the catch-up that leaving them costs when they return.
 
 A drafter that also drafts by prompt lookup alone (the merged drafter: `DrafterLink.lookup_trees`) offers each
 budget twice: its own tree, or lookup's, which costs no model forward and so can pay at batches where the
@@ -670,6 +671,8 @@ class AdaptiveSpeculation:
             margin = self.LONE_MARGIN if batch == 1 else self.MARGIN
             if rates[best] < margin * rates[plain]:
                 best = plain
+            if best == plain and batch == 1:
+                best = self._kept_trees(rates, seconds[plain], margin)
             # Would the drafter's own trees pay were every request drafting, as the drafting ones do? (What a
             # request that could draft costs in plain rounds, its kept features, is for those trees alone.)
             everyone = batch / len(asked)
@@ -697,6 +700,18 @@ class AdaptiveSpeculation:
             self.standing = StandingChoice(signature, dataclasses.replace(choice, estimated_s=None),
                                            self.REUSE_LONE_TREE)
         return choice
+
+    def _kept_trees(self, rates: dict, plain_s: float, margin: float) -> tuple[bool, int]:
+        """Where plain decoding beats a lone request's trees: its last tree's size all the same, if the request has
+        been drafting its own trees and they still beat (by `margin`) plain rounds with the catch-up that trees
+        cost when they return (its drafter's context then lags by the plain stretch), spread over the
+        1 + REUSE_PLAIN rounds a plain decision stands for; else plain decoding."""
+        last = self.last_played
+        kept = (False, last.budget)
+        if last.budget == 0 or last.lookup or kept not in rates:
+            return (False, 0)
+        leaving_s = plain_s + self.costs.catch_up_extra(1, last.budget) / (1 + self.REUSE_PLAIN)
+        return kept if rates[kept] >= margin / leaving_s else (False, 0)
 
     def _catches_up(self, lookup: bool) -> bool:
         """Whether a round of these trees would catch the drafters' contexts up: after a plain round, and for the
