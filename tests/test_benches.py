@@ -400,11 +400,13 @@ def test_round_log_splits_a_verifiers_debug_log_into_turns_and_kinds(tmp_path, c
                            verify_s=verify_ms / 1e3, requests=[RequestReport(f"r{i}", tokens // batch)
                                                                 for i in range(batch)])
 
-    plain = [report(2, None, 2, 0, 1.0)] * 3 + [report(2, None, 2, 0, 3.0, prompts=True)]
+    plain = [report(2, None, 2, 0, 3.0, prompts=True)] + [report(2, None, 2, 0, 1.0)] * 3
     tree = Choice(8, (6.0, 0.0025))
+    # A round of prompts alone has no choice in a speculative turn either: it goes with the round after it.
     speculative = [report(2, Choice(0, (2.0, 0.001)), 2, 0, 1.0), report(2, tree, 6, 1.0, 1.5),
-                   report(2, tree, 4, 1.0, 2.0), report(2, tree, 8, 4.0, 2.0, catch_up=True),
-                   report(2, Choice(4, (3.0, 0.002), lookup=True), 4, 0.4, 1.2)]
+                   report(2, None, 2, 0, 3.0, prompts=True), report(2, tree, 4, 1.0, 2.0),
+                   report(2, tree, 8, 4.0, 2.0, catch_up=True), report(2, Choice(4, (3.0, 0.002), lookup=True), 4,
+                                                                          0.4, 1.2)]
     lines = [f"2026-12-07 10:00:{i:02d},000 treeserve.verifier DEBUG {round_.log_line()}\n"
              for i, round_ in enumerate(plain + speculative)]
     log = tmp_path / "verifier.log.gz"
@@ -415,9 +417,9 @@ def test_round_log_splits_a_verifiers_debug_log_into_turns_and_kinds(tmp_path, c
     first, second = json.loads(out.read_text())["logs"][0]["turns"]
     assert (first["mode"], first["rounds"], first["tokens"]) == ("plain", 4, 8)
     assert first["kinds"]["plain+prompts"]["rounds"] == 1 and first["rounds_ms"] == 6.0
-    assert first["span_ms"] == 3000 + 3.0  # the first round's stamp to the last's, and the last round
-    assert (second["mode"], second["rounds"], second["tokens"]) == ("speculative", 5, 24)
-    assert set(second["kinds"]) == {"plain", "own", "own*", "lookup"}
+    assert first["span_ms"] == 3000 + 1.0  # the first round's stamp to the last's, and the last round
+    assert (second["mode"], second["rounds"], second["tokens"]) == ("speculative", 6, 26)
+    assert set(second["kinds"]) == {"plain", "plain+prompts", "own", "own*", "lookup"}
     own = second["kinds"]["own"]
     assert (own["rounds"], own["tokens"], own["ms"]) == (2, 10, 5.5)
     assert own["expected"] == {"rounds": 2, "tokens": 6.0, "median_ms": 2.5}

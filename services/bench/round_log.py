@@ -4,7 +4,8 @@ Run a stack with TREESERVE_VERIFIER_LOG_LEVEL=DEBUG (bench_stacks keeps each sta
 verifier's in runtime-<drafter>/verifier.log): the verifier then logs every round in one line
 (`RoundReport.log_line`). This reads those lines back, from a log or a gzipped one, and splits them into turns: a
 turn is a run of rounds of one mode, since plain decoding's rounds carry no choice and adaptive speculation's
-carry one (`treeserve bench` runs one mode's turn at a time, its warm-up's turns first). For each turn of at least
+carry one (`treeserve bench` runs one mode's turn at a time, its warm-up's turns first); a round of prompts alone
+has no choice in either mode and goes with the round after it. For each turn of at least
 --min-rounds rounds it reports the rounds, their mean batch, the tokens, the rounds' summed time and the turn's
 span on the clock, and the rounds by kind: plain, prompt lookup's trees alone, the drafter's own trees, each split
 by whether it caught the drafters' contexts up (`*`) and whether prompts joined its forward (`+prompts`), with
@@ -74,13 +75,22 @@ def read_rounds(path: Path) -> list[LoggedRound]:
 
 
 def turns(rounds: list[LoggedRound]) -> list[list[LoggedRound]]:
-    """Runs of consecutive rounds of one mode: without a choice (plain decoding's turn) or with one."""
+    """Runs of consecutive rounds of one mode: without a choice (plain decoding's turn) or with one. A round of
+    prompts alone has no choice in either mode (no request has a token to draft from yet): it goes with the round
+    after it, in its turn or at the start of the next."""
     found: list[list[LoggedRound]] = []
+    pending: list[LoggedRound] = []  # rounds of prompts alone, waiting for a round with a mode
     for logged in rounds:
-        if found and (found[-1][-1].label == "-") == (logged.label == "-"):
-            found[-1].append(logged)
+        if logged.label == "-" and logged.prompts:
+            pending.append(logged)
+        elif found and (found[-1][-1].label == "-") == (logged.label == "-"):
+            found[-1] += [*pending, logged]
+            pending = []
         else:
-            found.append([logged])
+            found.append([*pending, logged])
+            pending = []
+    if pending:
+        found.append(pending)
     return found
 
 
@@ -103,7 +113,7 @@ def summarize(turn: list[LoggedRound]) -> dict:
             entry["took"] = {"tokens": round(statistics.fmean(r.tokens for r in estimated), 2),
                              "median_ms": round(statistics.median(r.ms for r in estimated), 3)}
         kinds[kind] = entry
-    return {"mode": "plain" if turn[0].label == "-" else "speculative", "rounds": len(turn),
+    return {"mode": "plain" if all(r.label == "-" for r in turn) else "speculative", "rounds": len(turn),
             "mean_batch": round(statistics.fmean(r.batch for r in turn), 2), "tokens": tokens,
             "rounds_ms": round(ms, 3), "span_ms": None if span_ms is None else round(span_ms, 3),
             "tokens_per_ms": round(tokens / ms, 3) if ms else None, "kinds": kinds}
