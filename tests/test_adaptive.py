@@ -219,6 +219,21 @@ def test_catch_up_round_trips_price_tries_not_rounds():
     assert plain_rounds_before_a_try(250.0) == pytest.approx(0.250 / Exploration.SHARE / 0.011, abs=2)
 
 
+def test_a_catch_ups_draft_messages_price_the_next_try_with_its_round_trip():
+    """At a batch of many requests a catch-up's Draft messages carry every request's rows since its last tree, and
+    cost about what the drafter's answer does: the time from the round's start to its trees, not the round trip
+    alone, is what a try costs beyond a steady round trip."""
+    adaptive = AdaptiveSpeculation()
+    ids = [f"r{i}" for i in range(16)]
+    costs(adaptive, 16, {1: 1.5, 17: 2.5}, draft_ms=1.0)
+    caught_up = DraftRound({i: DraftTree([1, 2], [-1, 0]) for i in ids}, round_trip_s=0.010, catch_up=True)
+    for _ in range(RecentCost.SETTLED):
+        round_ = report(Choice(16), 16, {i: (16, 2) for i in ids}, verify_ms=2.5, drafts=[caught_up])
+        round_.draft_s = 0.018  # 8 ms of messages before the drafter's 10 ms answer
+        adaptive.observe(round_)
+    assert adaptive.costs.catch_up_extra(16, 16) == pytest.approx(0.018 - 0.001)
+
+
 def test_a_lone_requests_first_tree_prices_nothing_but_in_a_batch_it_is_a_catch_up():
     """A lone request's first tree brings its prompt and is played whatever the choice: its round trip prices neither
     steady rounds nor the tries after plain rounds, which bring a few rows. In a batch, new requests join the trees

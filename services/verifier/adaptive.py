@@ -210,7 +210,8 @@ class CostModel:
             self._add(self.draft_s[lookup], batch, budget + 1, seconds)
 
     def catch_up_extra(self, batch: int, budget: int, lookup: bool = False) -> float:
-        """What a try's drafter round trip costs beyond a steady one at this batch and budget (0 when unknown)."""
+        """What a try's drafting (its Draft messages and the drafter's answer) costs beyond a steady round trip at
+        this batch and budget (0 when unknown)."""
         bucket = batch_bucket(batch)
         caught_up = self.catch_up_s[lookup].get(bucket)
         if caught_up is None:
@@ -580,8 +581,12 @@ class AdaptiveSpeculation:
         # the tries after plain rounds, which bring at most a few rows (send_lagging_rows), far above their cost.
         first_tree_alone = report.batch == 1 and any(found.prompt for found in report.drafts)
         if report.budgets and trips and not first_tree_alone:
-            self.costs.observe_draft(report.batch, max(report.budgets.values()), max(trips),
-                                     catch_up=any(found.catch_up for found in report.drafts), lookup=report.lookup)
+            catch_up = any(found.catch_up for found in report.drafts)
+            # A catch-up is timed from the round's start to its trees: its Draft messages carry every row since each
+            # request's last tree, which at a batch of many requests costs about what the drafter's answer does.
+            self.costs.observe_draft(report.batch, max(report.budgets.values()),
+                                     report.draft_s if catch_up else max(trips), catch_up=catch_up,
+                                     lookup=report.lookup)
         choice = report.choice
         if (choice is not None and choice.estimated_s is not None and drafted and not report.with_prompts):
             self.costs.observe_tree_round(report.batch, choice.lookup, report.seconds, choice.estimated_s)
