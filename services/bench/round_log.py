@@ -66,11 +66,12 @@ def read_rounds(path: Path) -> list[LoggedRound]:
                 continue
             stamp = STAMP.match(line)
             at = (datetime.datetime.strptime(stamp[1], "%Y-%m-%d %H:%M:%S,%f").timestamp() if stamp else None)
-            number = lambda name: float(found[name]) if found[name] is not None else None  # noqa: E731
+            expected = (float(found["expected_tokens"]), float(found["expected_ms"])) if found["expected_ms"] else (
+                None, None)
             rounds.append(LoggedRound(at, int(found["batch"]), found["label"], int(found["tokens"]),
-                                      float(found["ms"]), number("expected_tokens"), number("expected_ms"),
-                                      float(found["drafters_ms"]), float(found["messages_ms"]),
-                                      found["catch_up"] is not None, found["prompts"] is not None))
+                                      float(found["ms"]), *expected, float(found["drafters_ms"]),
+                                      float(found["messages_ms"]), found["catch_up"] is not None,
+                                      found["prompts"] is not None))
     return rounds
 
 
