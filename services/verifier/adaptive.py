@@ -438,8 +438,8 @@ class Exploration:
 
 @dataclasses.dataclass
 class StandingChoice:
-    """A choice worked out for rounds of this `signature` (batch bucket, speculating requests, largest budget,
-    lookup offered), played again for up to `limit` more of them (AdaptiveSpeculation.REUSE_PLAIN, REUSE_LONE_TREE)."""
+    """A choice worked out for rounds of this `signature` (batch bucket, largest budget, lookup offered), played
+    again for up to `limit` more of them (AdaptiveSpeculation.REUSE_PLAIN, REUSE_LONE_TREE)."""
 
     signature: tuple
     choice: Choice
@@ -507,10 +507,10 @@ class AdaptiveSpeculation:
     """The choice of each round's budget, a `treeserve.verifier.round.Speculation`. min_budget..max_budget: the
     bounds of the round budget (min_budget 0 allows plain decoding)."""
 
-    # A plain decision stands for up to this many more rounds of the same batch bucket (whose costs price it) and
-    # speculating requests: plain rounds observe no acceptance, so the choice's inputs move only as the evidence ages
-    # (PLAIN_AGING), and working it out is a visible part of a small target's round. Not the same batch: at a large
-    # one, a request finishes or joins most rounds.
+    # A plain decision stands for up to this many more rounds of the same batch bucket (whose costs price it): plain
+    # rounds observe no acceptance, so the choice's inputs move only as the evidence ages (PLAIN_AGING), and working
+    # it out is a visible part of a small target's round. Not the same batch, nor the same number of speculating
+    # requests: at a large batch a request finishes or joins most rounds, which would work it out nearly every round.
     REUSE_PLAIN = 8
     # A lone request's tree decision stands the same way, for up to this many more rounds: its next round's acceptance
     # is hard to tell from the last few, a tree after plain rounds costs more than a steady one (its drafter catches
@@ -635,7 +635,7 @@ class AdaptiveSpeculation:
 
     def _choose(self, asked: dict[str, int], batch: int, first_try: bool = False, lookup: bool = False) -> Choice:
         most = min(self.max_budget, max(asked.values()))
-        signature = (batch_bucket(batch), len(asked), most, lookup)
+        signature = (batch_bucket(batch), most, lookup)
         standing = self.standing
         if standing is not None and standing.stands(signature, first_try, self.exploration):
             choice = standing.choice  # (a plain one expects a token of each of this round's requests)
