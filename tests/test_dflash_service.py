@@ -556,6 +556,41 @@ def test_rows_placed_in_a_feature_region_read_back_as_written():
         region.close()
 
 
+def test_a_rounds_items_placed_together_read_back_as_each_placed_alone():
+    """A round's items of many requests go to the region in one write where each item's rows start aligned anyway
+    (rows of a multiple of ALIGNMENT bytes): the drafter reads each back as written, an empty item too; rows of
+    another width, or items that do not all fit, are placed one by one (those that fit), as `place` places them."""
+    region = feature_region.FeatureRegion(1 << 20)
+    mapped = feature_region.MappedRegion(region.path)
+    region.unlink()
+    writes = []
+    write = region._write
+    region._write = lambda offset, parts: (writes.append(offset), write(offset, parts))
+    try:
+        wide = torch.randn(40, 32).to(torch.bfloat16)  # 64 bytes a row
+        items = [[wide[:3]], [wide[3:5], wide[8:9]], [wide[:0]], [torch.randn(32, 4).T.to(torch.bfloat16)]]
+        region.place([torch.zeros(1, 8)])  # (a row before them: theirs start at the next aligned offset)
+        writes.clear()
+        placed = region.place_items(items)
+        assert len(writes) == 1 and [p.offset for p in placed] == [64, 256, 448, 448]
+        for parts, where in zip(items, placed):
+            assert torch.equal(mapped.rows(where.offset, where.shape, where.dtype), torch.cat(parts))
+        region.clear()
+        writes.clear()
+        narrow = [[torch.randn(3, 7)], [torch.randn(2, 7)]]  # 28 bytes a row: each item aligned on its own
+        placed = region.place_items(narrow)
+        assert len(writes) == 2 and [p.offset for p in placed] == [0, 128]
+        for parts, where in zip(narrow, placed):
+            assert torch.equal(mapped.rows(where.offset, where.shape, where.dtype), torch.cat(parts))
+        region.clear()
+        too_many = [[torch.zeros(10_000, 32).to(torch.bfloat16)], [torch.zeros(10_000, 32).to(torch.bfloat16)]]
+        first, second = region.place_items(too_many)
+        assert first.offset == 0 and second is None  # placed one by one: the second does not fit after the first
+    finally:
+        mapped.close()
+        region.close()
+
+
 def test_a_feature_region_takes_what_room_dev_shm_has(monkeypatch):
     """Its pages are reserved as it is made (a write past what /dev/shm holds would kill the process): where there
     is no room for the size asked, half of it, and so on down to the smallest worth having; else none."""

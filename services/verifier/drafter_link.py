@@ -355,12 +355,13 @@ class DrafterLink:
         if with_features:  # every row since the last the drafter was sent, for all requests at once
             feature_rows = kept_feature_rows(list(requests.values()),
                                              [self.rows_sent.get(request_id, 0) for request_id in requests])
+            placed = self.region.place_items(feature_rows) if self.region is not None else [None] * len(requests)
         for i, (request_id, generation) in enumerate(requests.items()):
             sent, features = self.sent.get(request_id, 0), None
             if with_features:
                 rows = feature_rows[i]
                 self.rows_sent[request_id] = generation.cache.length  # every token but the root
-                features = self.region.place(rows) if self.region is not None else None
+                features = placed[i]
                 if features is None:
                     features = rows[0] if len(rows) == 1 else torch.cat(rows)
             tokens = generation.committed_since(sent)
