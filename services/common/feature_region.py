@@ -88,7 +88,7 @@ class FeatureRegion:
         writing nothing, where they do not fit."""
         rows = sum(len(part) for part in parts)
         width, dtype = parts[0].shape[1], parts[0].dtype
-        start = -(-self.used // ALIGNMENT) * ALIGNMENT
+        start = self._next_start()
         end = start + rows * width * dtype.itemsize
         if end > self.size:
             return None
@@ -106,7 +106,7 @@ class FeatureRegion:
         width, dtype = parts[0].shape[1], parts[0].dtype
         row_bytes = width * dtype.itemsize
         counts = [sum(len(part) for part in item) for item in items]
-        start = -(-self.used // ALIGNMENT) * ALIGNMENT
+        start = self._next_start()
         end = start + sum(counts) * row_bytes
         if row_bytes % ALIGNMENT or end > self.size:
             return [self.place(item) for item in items]
@@ -116,6 +116,9 @@ class FeatureRegion:
         self.used = end
         offsets = itertools.accumulate((count * row_bytes for count in counts), initial=start)
         return [PlacedRows(offset, (count, width), dtype) for offset, count in zip(offsets, counts)]
+
+    def _next_start(self) -> int:
+        return -(-self.used // ALIGNMENT) * ALIGNMENT
 
     def _write(self, offset: int, parts: list[torch.Tensor]) -> None:
         import torch  # here, not at the top: a drafter without features runs without torch
